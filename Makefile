@@ -1,0 +1,24 @@
+# `make demo` and `make test` each bootstrap .venv from a fresh clone, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m focal_jax.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) -m focal_jax.bench attention
+
+clean:
+	rm -rf $(VENV) demo_out

@@ -1,0 +1,89 @@
+"""Argument checks shared by the attention functions; each error names the argument and its value."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+    """True when `x` holds values we can inspect now (not a tracer under jit / grad / vmap)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_qkv(q, k, v):
+    """Checks q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv] with Hk dividing H. Returns (B, T, H, Hk)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
+    b, t, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same sequence length, got k {k.shape} and v {v.shape}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads, got k {k.shape} and v {v.shape}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k must have the same head_dim, got q {q.shape} and k {k.shape}")
+    hk = k.shape[2]
+    if hk == 0 or h % hk:
+        raise ValueError(f"kv heads must divide q heads (GQA), got q heads={h} and kv heads={hk}")
+    return b, t, h, hk
+
+
+def check_self_attention(q, k):
+    """Masks built from token positions need queries and keys to be the same tokens."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal, windowed and segmented attention need q and k of the same length, "
+            f"got q seq={q.shape[1]} and k seq={k.shape[1]}")
+
+
+def check_window(window, *, allow_none=True):
+    if window is None and allow_none:
+        return
+    if window is None or isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"window must be an integer >= 0 (keys j with 0 <= i - j <= window), got window={window!r}")
+
+
+def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
+    if segment_ids is None:
+        return
+    if tuple(segment_ids.shape) != (batch, seq):
+        raise ValueError(f"{name} must have shape [batch, seq] = {(batch, seq)}, got shape {segment_ids.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {segment_ids.dtype}")
+
+
+def check_positive(name, value):
+    """Checks a float > 0, or an array whose values are all > 0 when they can be inspected."""
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+    elif is_concrete(value):
+        smallest = float(jnp.min(value)) if jnp.size(value) else 1.0
+        if not smallest > 0:
+            raise ValueError(f"{name} must be > 0 everywhere, got an array with minimum {smallest}")
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
+
+
+def logit_multiplier(q, scale, temperature):
+    """The factor the logits q.k are multiplied by: scale / temperature, shaped [B, T, H] or a scalar."""
+    b, t, h, d = q.shape
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    check_positive("scale", scale)
+    check_positive("temperature", temperature)
+    if isinstance(temperature, (int, float, np.floating, np.integer)):
+        return scale / temperature
+    temperature = jnp.asarray(temperature)
+    try:
+        temperature = jnp.broadcast_to(temperature, (b, t, h))
+    except ValueError:
+        raise ValueError(
+            f"temperature must be a float or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
+            f"got shape {temperature.shape}") from None
+    return scale / temperature.astype(jnp.float32)

@@ -1,0 +1,306 @@
+"""The exact fast path of hard Focus attention: group-sorted causal attention plus a cross-group local band.
+
+The allowed pairs of `focus_mask` (j <= i, same segment, and local or sharing a group) split into two disjoint sets:
+
+  A. same-group causal pairs, each counted once, in the lowest group the two tokens share. Every (token, group)
+     membership becomes an *entry*; entries are sorted by (group, position), so the keys a query entry needs are the
+     entries of its group before it: a contiguous run of key blocks ending at its own block.
+  B. cross-group local pairs (`0 <= i - j <= window`, no shared group): a band of `block + window` keys per query
+     block.
+
+Both are computed blockwise with an online softmax and merged per query token by log-sum-exp, so memory grows as
+O(T * block) and the result equals the dense masked reference. Gradients come from a hand-written flash-style
+backward pass (`jax.custom_vjp`) that recomputes the blocks.
+
+Internally each token array gets one extra dummy row (index T): padding entries point at it, so gathers never go
+out of bounds and whatever is scattered to it is dropped.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+BITS_PER_WORD = 31  # group-membership bits per int32 word (the sign bit is left unused)
+
+
+class Routing(NamedTuple):
+    """Integer description of one sequence's tokens and group entries (no gradients flow through it)."""
+    segment: jax.Array      # [T + 1] segment id per token (dummy row last)
+    words: jax.Array        # [T + 1, W] group-membership bitmask per token
+    entry_token: jax.Array  # [E] token of each (token, group) entry, sorted by (group, position); T for padding
+    entry_group: jax.Array  # [E] group of each entry; K for padding
+    group_start: jax.Array  # [K + 1] index of each group's first entry; group_start[K] = number of real entries
+
+
+def membership_words(membership):
+    """bool `[..., K]` -> int32 `[..., ceil(K / 31)]`, bit j of word w set iff the token is in group 31 w + j."""
+    k = membership.shape[-1]
+    n_words = -(-k // BITS_PER_WORD)
+    padded = jnp.zeros(membership.shape[:-1] + (n_words * BITS_PER_WORD,), jnp.int32)
+    padded = padded.at[..., :k].set(membership.astype(jnp.int32))
+    bits = padded.reshape(membership.shape[:-1] + (n_words, BITS_PER_WORD))
+    return jnp.sum(bits << jnp.arange(BITS_PER_WORD, dtype=jnp.int32), axis=-1, dtype=jnp.int32)
+
+
+def _groups_below(group, n_words):
+    """Bitmask words `[..., W]` of the groups with index < group."""
+    count = jnp.clip(group[..., None] - BITS_PER_WORD * jnp.arange(n_words), 0, BITS_PER_WORD)
+    return jnp.where(count >= BITS_PER_WORD, 0x7FFFFFFF, (1 << count) - 1).astype(jnp.int32)
+
+
+def _routing(membership, segment_ids, block):
+    """Builds the `Routing` of one sequence: membership bool `[T, K]`, segment ids int `[T]`."""
+    t, k = membership.shape
+    member = membership.T.reshape(-1)                       # entry index g * T + i
+    flat = jnp.arange(k * t, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(member, flat, flat + k * t))
+    is_member = member[order]
+    n_entries = -(-(k * t) // block) * block
+    pad = n_entries - k * t
+    entry_token = jnp.pad(jnp.where(is_member, order % t, t), (0, pad), constant_values=t)
+    entry_group = jnp.pad(jnp.where(is_member, order // t, k), (0, pad), constant_values=k)
+    counts = jnp.sum(membership, axis=0, dtype=jnp.int32)
+    group_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    words = membership_words(membership)
+    return Routing(
+        segment=jnp.concatenate([segment_ids.astype(jnp.int32), jnp.full((1,), -1, jnp.int32)]),
+        words=jnp.concatenate([words, jnp.zeros((1, words.shape[1]), jnp.int32)]),
+        entry_token=entry_token.astype(jnp.int32),
+        entry_group=entry_group.astype(jnp.int32),
+        group_start=group_start,
+    )
+
+
+def _with_dummy_row(x):
+    return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Blocks: which queries and keys a block pairs up, and which of those pairs it may compute.
+# ----------------------------------------------------------------------------------------------------------------
+
+class Tile(NamedTuple):
+    """One block of query tokens against one block of key tokens, with the pairs allowed between them."""
+    query_token: jax.Array  # [bq]
+    key_token: jax.Array    # [bk]
+    mask: jax.Array         # [bq, bk] bool
+
+
+def _band_tile(routing, block_index, t, window, block):
+    """Set B for query tokens [block_index * block, + block): keys from `window` tokens before the block to its
+    end; allowed if local, same segment and sharing no group."""
+    span = block + min(window, t - 1)
+    query_token = block_index * block + jnp.arange(block)
+    key_token = block_index * block - min(window, t - 1) + jnp.arange(span)
+    query_token = jnp.where(query_token < t, query_token, t)
+    key_token = jnp.where((key_token >= 0) & (key_token < t), key_token, t)
+    distance = query_token[:, None] - key_token[None, :]
+    shared = jnp.any((routing.words[query_token][:, None] & routing.words[key_token][None]) != 0, axis=-1)
+    mask = ((query_token[:, None] < t) & (key_token[None, :] < t) & (distance >= 0) & (distance <= window)
+            & (routing.segment[query_token][:, None] == routing.segment[key_token][None, :]) & ~shared)
+    return Tile(query_token, key_token, mask)
+
+
+def _group_tile(routing, query_block, key_block, t, block):
+    """Set A between entry blocks: same group, causal, same segment, and no lower group shared (each pair is
+    counted only in the lowest group the two tokens share)."""
+    query_slice = jax.lax.dynamic_slice_in_dim(routing.entry_token, query_block * block, block)
+    query_group = jax.lax.dynamic_slice_in_dim(routing.entry_group, query_block * block, block)
+    key_token = jax.lax.dynamic_slice_in_dim(routing.entry_token, key_block * block, block)
+    key_group = jax.lax.dynamic_slice_in_dim(routing.entry_group, key_block * block, block)
+    lower = routing.words[query_slice] & _groups_below(query_group, routing.words.shape[1])
+    shared_lower = jnp.any((lower[:, None] & routing.words[key_token][None]) != 0, axis=-1)
+    mask = ((query_slice[:, None] < t) & (key_token[None, :] < t)
+            & (query_group[:, None] == key_group[None, :])
+            & (key_token[None, :] <= query_slice[:, None])
+            & (routing.segment[query_slice][:, None] == routing.segment[key_token][None, :])
+            & ~shared_lower)
+    return Tile(query_slice, key_token, mask)
+
+
+def _first_key_block(routing, query_block, block):
+    """The first key block a query entry block needs: the start of the group of its first entry."""
+    first_group = routing.entry_group[query_block * block]
+    return routing.group_start[first_group] // block
+
+
+def _n_entry_blocks(routing, block):
+    return -(-routing.group_start[-1] // block)
+
+
+def _scores(q, k, tile):
+    """q `[T + 1, Hk, G, D]`, k `[T + 1, Hk, D]` -> masked logits `[bq, Hk, G, bk]` (-inf where not allowed)."""
+    s = jnp.einsum("qhgd,khd->qhgk", q[tile.query_token], k[tile.key_token])
+    return jnp.where(tile.mask[:, None, None, :], s, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward: online softmax per query block, merged into per-token accumulators.
+# ----------------------------------------------------------------------------------------------------------------
+
+def _finite(m):
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _online_update(state, s, v_block):
+    """Adds the keys of one tile to a running (max, sum, weighted values) of shapes [bq,Hk,G], [bq,Hk,G],
+    [bq,Hk,G,Dv]."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.exp(s - _finite(m_new)[..., None])
+    alpha = jnp.exp(m - _finite(m_new))
+    l = alpha * l + jnp.sum(p, axis=-1)
+    acc = alpha[..., None] * acc + jnp.einsum("qhgk,khd->qhgd", p, v_block)
+    return m_new, l, acc
+
+
+def _merge_into_tokens(totals, tokens, state):
+    """Merges per-entry partial softmax states into per-token totals by log-sum-exp.
+
+    Two entries of one block may belong to the same token (a token in two small groups): the rescale is written with
+    `set` (both writers compute the same value) and the contributions with `add`, so collisions are exact.
+    """
+    m_tok, l_tok, acc_tok = totals
+    m, l, acc = state
+    m_old = m_tok[tokens]
+    m_tok = m_tok.at[tokens].max(m)
+    m_new = _finite(m_tok[tokens])
+    rescale = jnp.exp(m_old - m_new)
+    l_tok = l_tok.at[tokens].set(l_tok[tokens] * rescale)
+    acc_tok = acc_tok.at[tokens].set(acc_tok[tokens] * rescale[..., None])
+    weight = jnp.exp(m - m_new)
+    l_tok = l_tok.at[tokens].add(weight * l)
+    acc_tok = acc_tok.at[tokens].add(weight[..., None] * acc)
+    return m_tok, l_tok, acc_tok
+
+
+def _forward(q, k, v, routing, window, block):
+    """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` -> out `[T, Hk, G, Dv]`, lse
+    `[T, Hk, G]`, all float32."""
+    t, hk, g, _ = q.shape
+    dv = v.shape[-1]
+    q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
+    totals = (jnp.full((t + 1, hk, g), -jnp.inf), jnp.zeros((t + 1, hk, g)), jnp.zeros((t + 1, hk, g, dv)))
+
+    def band_block(block_index, totals):
+        tile = _band_tile(routing, block_index, t, window, block)
+        empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
+        state = _online_update(empty, _scores(q, k, tile), v[tile.key_token])
+        return _merge_into_tokens(totals, tile.query_token, state)
+
+    totals = jax.lax.fori_loop(0, -(-t // block), band_block, totals)
+
+    def group_block(query_block, totals):
+        def key_step(carry):
+            key_block, state = carry
+            tile = _group_tile(routing, query_block, key_block, t, block)
+            return key_block + 1, _online_update(state, _scores(q, k, tile), v[tile.key_token])
+
+        empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
+        first = _first_key_block(routing, query_block, block)
+        _, state = jax.lax.while_loop(lambda c: c[0] <= query_block, key_step, (first, empty))
+        tokens = jax.lax.dynamic_slice_in_dim(routing.entry_token, query_block * block, block)
+        return _merge_into_tokens(totals, tokens, state)
+
+    m, l, acc = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, totals)
+    out = acc[:t] / l[:t, ..., None]
+    return out, m[:t] + jnp.log(l[:t])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward: recompute each tile's probabilities from the saved log-sum-exp (flash-attention style).
+# ----------------------------------------------------------------------------------------------------------------
+
+def _tile_grads(q, k, v, lse, d_out, delta, tile):
+    """Gradient contributions of one tile: dq `[bq,Hk,G,D]`, dk `[bk,Hk,D]`, dv `[bk,Hk,Dv]`."""
+    q_tile, k_tile, v_tile = q[tile.query_token], k[tile.key_token], v[tile.key_token]
+    d_out_tile = d_out[tile.query_token]
+    s = jnp.where(tile.mask[:, None, None, :], jnp.einsum("qhgd,khd->qhgk", q_tile, k_tile), -jnp.inf)
+    p = jnp.exp(s - lse[tile.query_token][..., None])
+    dp = jnp.einsum("qhgd,khd->qhgk", d_out_tile, v_tile)
+    ds = p * (dp - delta[tile.query_token][..., None])
+    dq = jnp.einsum("qhgk,khd->qhgd", ds, k_tile)
+    dk = jnp.einsum("qhgk,qhgd->khd", ds, q_tile)
+    dv = jnp.einsum("qhgk,qhgd->khd", p, d_out_tile)
+    return dq, dk, dv
+
+
+def _backward(q, k, v, routing, out, lse, d_out, window, block):
+    t = q.shape[0]
+    delta = jnp.sum(d_out * out, axis=-1)
+    q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
+    lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out), _with_dummy_row(delta)
+    grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+
+    def add_tile(grads, tile):
+        dq, dk, dv = grads
+        tile_dq, tile_dk, tile_dv = _tile_grads(q, k, v, lse, d_out, delta, tile)
+        return (dq.at[tile.query_token].add(tile_dq), dk.at[tile.key_token].add(tile_dk),
+                dv.at[tile.key_token].add(tile_dv))
+
+    def band_block(block_index, grads):
+        return add_tile(grads, _band_tile(routing, block_index, t, window, block))
+
+    grads = jax.lax.fori_loop(0, -(-t // block), band_block, grads)
+
+    def group_block(query_block, grads):
+        def key_step(carry):
+            key_block, grads = carry
+            return key_block + 1, add_tile(grads, _group_tile(routing, query_block, key_block, t, block))
+
+        first = _first_key_block(routing, query_block, block)
+        return jax.lax.while_loop(lambda c: c[0] <= query_block, key_step, (first, grads))[1]
+
+    dq, dk, dv = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, grads)
+    return dq[:t], dk[:t], dv[:t]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _sequence_attention(q, k, v, routing, window, block):
+    return _forward(q, k, v, routing, window, block)[0]
+
+
+def _sequence_attention_fwd(q, k, v, routing, window, block):
+    out, lse = _forward(q, k, v, routing, window, block)
+    return out, (q, k, v, routing, out, lse)
+
+
+def _sequence_attention_bwd(window, block, residuals, d_out):
+    q, k, v, routing, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, window, block)
+    zero_routing = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), routing)
+    return dq, dk, dv, zero_routing
+
+
+_sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
+
+
+def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, block_size=128):
+    """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).
+
+    Args:
+      q: `[B, T, H, D]`; k: `[B, T, Hk, D]`; v: `[B, T, Hk, Dv]`.
+      membership: bool `[B, T, K]`.
+      multiplier: scale / temperature, a scalar or `[B, T, H]`.
+      window: int >= 0. segment_ids: int `[B, T]` or None. block_size: tile size.
+
+    Returns:
+      `[B, T, H, Dv]` in v's dtype.
+    """
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    multiplier = jnp.asarray(multiplier, jnp.float32)
+    if multiplier.ndim:
+        multiplier = multiplier[..., None]
+    scaled_q = (q.astype(jnp.float32) * multiplier).reshape(b, t, hk, h // hk, d)
+    if segment_ids is None:
+        segment_ids = jnp.zeros((b, t), jnp.int32)
+    routing = jax.vmap(lambda m, s: _routing(m, s, block_size))(membership, segment_ids)
+
+    def one_sequence(args):
+        return _sequence_attention(*args, window, block_size)
+
+    out = jax.lax.map(one_sequence, (scaled_q, k.astype(jnp.float32), v.astype(jnp.float32), routing))
+    return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)

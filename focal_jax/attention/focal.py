@@ -1,0 +1,174 @@
+"""Dense and temperature-scaled (Focal) attention, and the learned temperature of Focal Attention.
+
+Conventions (DESIGN.md): q, k, v are `[batch, seq, heads, head_dim]`; kv heads divide q heads (GQA);
+`scale` defaults to `1/sqrt(head_dim)`; key j is local to query i iff `0 <= i - j <= window`.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from focal_jax.attention import _validate
+from focal_jax.attention.masks import attention_mask
+
+
+def attention_logits(q, k, multiplier):
+    """Logits `q.k * multiplier` in float32, shaped `[B, Hk, G, T, S]` (G = query heads per kv head).
+
+    `multiplier` is a scalar or `[B, T, H]` (scale / temperature, per query and head).
+    """
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, t, hk, h // hk, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    if jnp.ndim(multiplier) == 0:
+        return logits * multiplier
+    per_query = jnp.transpose(multiplier.reshape(b, t, hk, h // hk), (0, 2, 3, 1))
+    return logits * per_query[..., None]
+
+
+def attend(logits, v, mask):
+    """Masked softmax over keys, then the weighted sum of values.
+
+    logits `[B, Hk, G, T, S]` float32, v `[B, S, Hk, Dv]`, mask bool `[B, T, S]` -> `[B, T, Hk*G, Dv]` in v's dtype.
+    A query with no visible key gets zeros.
+    """
+    b, hk, g, t, s = logits.shape
+    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(logits - row_max)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, t, hk * g, v.shape[-1]).astype(v.dtype)
+
+
+def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None):
+    """Temperature-scaled attention (Focal Attention, Eq. 5): `softmax(q.k * scale / temperature) v`.
+
+    Args:
+      q: `[B, T, H, D]`; k: `[B, S, Hk, D]`; v: `[B, S, Hk, Dv]`, with Hk dividing H (GQA).
+      temperature: a float > 0, or an array broadcastable to `[B, T, H]` (one per query and head). `t < 1`
+        sharpens (the paper's best is 0.4); `t = 1` is exactly `dot_product_attention`. For the learned
+        temperature pass `scale=1.0, temperature=tau[:, :, None]`, so tau replaces `sqrt(D)`.
+      scale: logit scale, default `1/sqrt(D)`.
+      causal: key j visible to query i only if j <= i.
+      window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).
+      segment_ids: int `[B, T]`; tokens attend only within their own segment (packed documents).
+
+    Returns:
+      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+      >>> focal_attention(q, k, v, temperature=0.4).shape
+      (1, 8, 2, 4)
+    """
+    b, t, h, _ = _validate.check_qkv(q, k, v)
+    _validate.check_window(window)
+    if causal or window is not None or segment_ids is not None:
+        _validate.check_self_attention(q, k)
+    _validate.check_segment_ids(segment_ids, b, t)
+    multiplier = _validate.logit_multiplier(q, scale, temperature)
+    s = k.shape[1]
+    if causal or window is not None or segment_ids is not None:
+        mask = attention_mask(t, batch=b, causal=causal, window=window, segment_ids=segment_ids)
+    else:
+        mask = jnp.ones((b, t, s), bool)
+    return attend(attention_logits(q, k, multiplier), v, mask)
+
+
+def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segment_ids=None):
+    """Standard softmax attention, `softmax(q.k * scale) v`, the `temperature=1` case of `focal_attention`.
+
+    Shapes and arguments as `focal_attention`; equals `jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+    local_window_size=(window, 0))` for causal attention.
+
+    Example:
+      >>> import jax
+      >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+      >>> dot_product_attention(q, k, v, window=3).shape
+      (1, 8, 2, 4)
+    """
+    return focal_attention(q, k, v, temperature=1.0, scale=scale, causal=causal, window=window,
+                           segment_ids=segment_ids)
+
+
+def _segment_starts(segment_ids):
+    """Index of the first token of each token's run of equal segment ids: `[B, T]` -> `[B, T]`."""
+    t = segment_ids.shape[1]
+    index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    is_start = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(is_start, index, 0), axis=1)
+
+
+def _clip(z, tau_min, tau_max, clip):
+    if clip == "hard":
+        return jnp.clip(z, tau_min, tau_max)
+    if clip == "straight_through":
+        return z + jax.lax.stop_gradient(jnp.clip(z, tau_min, tau_max) - z)
+    width = tau_max - tau_min
+    midpoint = (tau_min + tau_max) / 2
+    return tau_min + width * jax.nn.sigmoid(4.0 * (z - midpoint) / width)
+
+
+def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard", bias=0.0, segment_ids=None):
+    """Focal Attention's learned temperature (Eq. 6): `tau = clip(mean(x @ w_tau) + bias, tau_min, tau_max)`.
+
+    Args:
+      x: `[B, T, d_model]`, the attention input (after the pre-norm).
+      w_tau: `[d_model]`, one per layer.
+      tau_min, tau_max: clip range (paper: 5 and 10 at head_dim 128), `tau_min < tau_max`.
+      mode: `'prefix'` (default, causal): the running mean over tokens <= i, so tau_i never sees the future;
+        `'sequence'`: the paper's literal mean over all tokens of the row (tau_i depends on later tokens).
+        Both reset at segment boundaries when `segment_ids` is given.
+      clip: `'hard'` (the paper's clip; zero gradient outside the range), `'smooth'`
+        (`tau_min + (tau_max - tau_min) * sigmoid(4 (z - mid) / (tau_max - tau_min))`: slope 1 at the midpoint,
+        never flat), or `'straight_through'` (clipped forward, identity gradient).
+      bias: a scalar offset added to the mean (our addition, not in the paper). Initialise it inside
+        `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a hard clip passes no gradient to
+        a tau that starts outside the range.
+      segment_ids: optional int `[B, T]`; the mean runs over the token's own segment (contiguous runs).
+
+    Returns:
+      tau `[B, T]` in float32. Use it as `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tau = learned_temperature(jnp.ones((1, 4, 8)), jnp.zeros(8), tau_min=5., tau_max=10., bias=7.5)
+      >>> tau.tolist()
+      [[7.5, 7.5, 7.5, 7.5]]
+    """
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [batch, seq, d_model], got shape {x.shape}")
+    if w_tau.shape != (x.shape[-1],):
+        raise ValueError(f"w_tau must have shape [d_model] = ({x.shape[-1]},), got shape {w_tau.shape}")
+    if not tau_min < tau_max:
+        raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
+    _validate.check_choice("mode", mode, ("prefix", "sequence"))
+    _validate.check_choice("clip", clip, ("hard", "smooth", "straight_through"))
+    b, t, _ = x.shape
+    _validate.check_segment_ids(segment_ids, b, t)
+    z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), w_tau.astype(jnp.float32))
+    if segment_ids is None:
+        if mode == "sequence":
+            mean = jnp.broadcast_to(jnp.mean(z, axis=1, keepdims=True), z.shape)
+        else:
+            mean = jnp.cumsum(z, axis=1) / jnp.arange(1, t + 1)
+    else:
+        starts = _segment_starts(segment_ids)
+        index = jnp.arange(t)
+        cumsum = jnp.cumsum(z, axis=1)
+        before_start = jnp.where(starts > 0, jnp.take_along_axis(cumsum, jnp.maximum(starts - 1, 0), 1), 0.0)
+        prefix_sum = cumsum - before_start
+        if mode == "prefix":
+            mean = prefix_sum / (index - starts + 1)
+        else:
+            is_end = jnp.concatenate(
+                [segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones_like(segment_ids[:, :1], bool)], axis=1)
+            end_index = jax.lax.cummin(jnp.where(is_end, index, t - 1), axis=1, reverse=True)
+            total = jnp.take_along_axis(prefix_sum, end_index, axis=1)
+            mean = total / (end_index - starts + 1)
+    return _clip(mean + bias, tau_min, tau_max, clip)

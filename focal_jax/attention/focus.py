@@ -1,0 +1,210 @@
+"""Focus: routing scores, the soft-gated training form, hard top-k membership and hard sparse attention.
+
+Tokens are routed to K groups by learned centroids (`routing_scores` then `sinkhorn`). In training every token
+attends to its local window at full strength and to distant tokens through a gate on their group affinity
+(`focus_attention`). At inference the groups become a hard mask: query i sees key j iff j <= i and (j is local or
+they share a group) (`topk_membership`, `focus_mask`, `focus_sparse_attention`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from focal_jax.attention import _validate
+from focal_jax.attention.decomposed import decomposed_attention
+from focal_jax.attention.focal import attend, attention_logits
+from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
+
+GATES = ("paper", "log")
+IMPLS = ("reference", "decomposed", "pallas")
+
+
+def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
+    """Token-to-group scores: `cos(h @ w_g, centroids[k]) / tau` (Focus Eq. 1, cosine form).
+
+    Args:
+      h: `[B, T, d_model]`, the attention input of the layer (after the pre-norm).
+      w_g: `[d_model, d_g]` routing projection, one per layer, shared by all heads.
+      centroids: `[K, d_g]`.
+      tau: routing temperature (paper: 0.1), applied once here; `sinkhorn` takes the result as is.
+      normalize: True for cosine similarity (the default, as in SwAV); False for the raw dot product / tau.
+
+    Returns:
+      float32 `[B, T, K]`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> routing_scores(jnp.ones((1, 3, 8)), jnp.ones((8, 2)), jnp.array([[1., 1.], [1., -1.]])).tolist()[0][0]
+      [10.0, 0.0]
+    """
+    if h.ndim != 3:
+        raise ValueError(f"h must have shape [batch, seq, d_model], got shape {h.shape}")
+    if w_g.ndim != 2 or w_g.shape[0] != h.shape[-1]:
+        raise ValueError(f"w_g must have shape [d_model={h.shape[-1]}, d_g], got shape {w_g.shape}")
+    if centroids.ndim != 2 or centroids.shape[1] != w_g.shape[1]:
+        raise ValueError(f"centroids must have shape [K, d_g={w_g.shape[1]}], got shape {centroids.shape}")
+    if centroids.shape[0] < 1:
+        raise ValueError(f"centroids must hold at least one group (K >= 1), got K={centroids.shape[0]}")
+    _validate.check_positive("tau", tau)
+    projected = h.astype(jnp.float32) @ w_g.astype(jnp.float32)
+    centroids = centroids.astype(jnp.float32)
+    if normalize:
+        projected = projected / jnp.maximum(jnp.linalg.norm(projected, axis=-1, keepdims=True), 1e-6)
+        centroids = centroids / jnp.maximum(jnp.linalg.norm(centroids, axis=-1, keepdims=True), 1e-6)
+    return projected @ centroids.T / tau
+
+
+def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids):
+    b, t, _, _ = _validate.check_qkv(q, k, v)
+    _validate.check_self_attention(q, k)
+    _validate.check_window(window, allow_none=False)
+    if groups_like.ndim != 3 or groups_like.shape[:2] != (b, t):
+        raise ValueError(f"{name} must have shape [batch, seq, K] = [{b}, {t}, K], got shape {groups_like.shape}")
+    if groups_like.shape[2] < 1:
+        raise ValueError(f"{name} must have at least one group (K >= 1), got K={groups_like.shape[2]}")
+    _validate.check_segment_ids(segment_ids, b, t)
+    return b, t
+
+
+def _visible(b, t, window, segment_ids):
+    """Causal (and same-segment) pairs, and the local ones among them: two bool `[B, T, T]`."""
+    pos = jnp.arange(t)
+    causal = jnp.broadcast_to(causal_mask(pos, pos), (b, t, t))
+    if segment_ids is not None:
+        causal = causal & segment_mask(segment_ids, segment_ids)
+    local = causal & local_mask(pos, pos, window)
+    return causal, local
+
+
+def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
+                    segment_ids=None):
+    """Focus soft-gated attention, the training form (dense, O(T^2)).
+
+    Logits `l_ij = q_i.k_j * scale / temperature` (the Focal temperature applies first); affinity
+    `a_ij = g_i . g_j`; local pairs (`0 <= i - j <= window`) are never gated; distant causal pairs are gated:
+      - `gate='paper'` (Eq. 2 literally): `l_ij * sigmoid(lam * a_ij)`;
+      - `gate='log'`: `l_ij + log sigmoid(lam * (a_ij - 1/2))`, which tends to the hard mask as lam grows.
+    Then the causal (same-segment) softmax.
+
+    Args:
+      q: `[B, T, H, D]`; k, v: `[B, T, Hk, D]` / `[B, T, Hk, Dv]` (Hk divides H).
+      g: `[B, T, K]` soft group assignments (rows of `sinkhorn`), shared by all heads.
+      window: local window w >= 0 (paper: 128). lam: gate steepness (not given by the paper; default 10).
+      temperature, scale, segment_ids: as in `focal_attention`.
+
+    Returns:
+      `[B, T, H, Dv]` in v's dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+      >>> g = jnp.full((1, 8, 2), 0.5)
+      >>> focus_attention(q, k, v, g, window=2).shape
+      (1, 8, 2, 4)
+    """
+    b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids)
+    _validate.check_choice("gate", gate, GATES)
+    multiplier = _validate.logit_multiplier(q, scale, temperature)
+    logits = attention_logits(q, k, multiplier)
+    affinity = jnp.einsum("btk,bsk->bts", g.astype(jnp.float32), g.astype(jnp.float32))[:, None, None]
+    if gate == "paper":
+        gated = logits * jax.nn.sigmoid(lam * affinity)
+    else:
+        gated = logits + jax.nn.log_sigmoid(lam * (affinity - 0.5))
+    causal, local = _visible(b, t, window, segment_ids)
+    logits = jnp.where(local[:, None, None], logits, gated)
+    return attend(logits, v, causal)
+
+
+def topk_membership(g, k):
+    """Hard membership in the k largest groups of each token.
+
+    Args:
+      g: `[B, T, K]` group scores or assignments. k: 1 <= k <= K.
+
+    Returns:
+      bool `[B, T, K]` with exactly k True per token (ties go to the lower group index).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> topk_membership(jnp.array([[[0.1, 0.7, 0.2]]]), 2).tolist()
+      [[[False, True, True]]]
+    """
+    if g.ndim != 3:
+        raise ValueError(f"g must have shape [batch, seq, K], got shape {g.shape}")
+    n_groups = g.shape[-1]
+    if n_groups < 1:
+        raise ValueError(f"g must have at least one group (K >= 1), got K={n_groups}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n_groups:
+        raise ValueError(f"k must be an integer with 1 <= k <= K={n_groups}, got k={k!r}")
+    _, top = jax.lax.top_k(g, k)
+    return jnp.any(jax.nn.one_hot(top, n_groups, dtype=jnp.int32) > 0, axis=-2)
+
+
+def focus_mask(membership, *, window, segment_ids=None):
+    """The hard Focus mask: query i sees key j iff `j <= i`, same segment, and (`i - j <= window` or they share a
+    group).
+
+    Args:
+      membership: bool `[B, T, K]` (e.g. from `topk_membership`). window: int >= 0.
+      segment_ids: optional int `[B, T]`.
+
+    Returns:
+      bool `[B, T, T]`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> m = jnp.array([[[True, False], [False, True], [True, False]]])
+      >>> focus_mask(m, window=0).astype(int).tolist()
+      [[[1, 0, 0], [0, 1, 0], [1, 0, 1]]]
+    """
+    if membership.ndim != 3:
+        raise ValueError(f"membership must have shape [batch, seq, K], got shape {membership.shape}")
+    _validate.check_window(window, allow_none=False)
+    b, t, _ = membership.shape
+    _validate.check_segment_ids(segment_ids, b, t)
+    causal, local = _visible(b, t, window, segment_ids)
+    membership = membership.astype(bool)
+    return causal & (local | group_mask(membership, membership))
+
+
+def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
+                           impl="reference", block_size=None):
+    """Hard Focus attention at inference: plain (scaled) logits under `focus_mask`, no gate values.
+
+    Args:
+      q: `[B, T, H, D]`; k, v: `[B, T, Hk, D]` / `[B, T, Hk, Dv]` (Hk divides H).
+      membership: bool `[B, T, K]`, the groups of each token (`topk_membership(g, k)`); any number per token.
+      window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
+      impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
+        same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
+        O(T * block) memory, differentiable), or `'pallas'` (the fused kernel; not available yet).
+      block_size: tile size of `'decomposed'` (default 128).
+
+    Returns:
+      `[B, T, H, Dv]` in v's dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+      >>> m = topk_membership(jax.random.normal(jax.random.key(1), (1, 8, 3)), 1)
+      >>> a = focus_sparse_attention(q, k, v, m, window=2)
+      >>> b = focus_sparse_attention(q, k, v, m, window=2, impl='decomposed', block_size=4)
+      >>> bool(jnp.abs(a - b).max() < 1e-5)
+      True
+    """
+    b, t = _check_focus_inputs(q, k, v, membership, "membership", window, segment_ids)
+    _validate.check_choice("impl", impl, IMPLS)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
+                                   or block_size < 1):
+        raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}")
+    multiplier = _validate.logit_multiplier(q, scale, temperature)
+    membership = membership.astype(bool)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "impl='pallas' is reserved for the fused Pallas kernel (kernels issue); use impl='decomposed'")
+    if impl == "decomposed":
+        return decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
+                                    segment_ids=segment_ids, block_size=block_size or 128)
+    mask = focus_mask(membership, window=window, segment_ids=segment_ids)
+    return attend(attention_logits(q, k, multiplier), v, mask)

@@ -1,0 +1,35 @@
+"""focal_jax: selective attention (Focal Attention and Focus) in JAX / Flax NNX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="focal_jax",
+    version="0.1.0",
+    description="Focal Attention and Focus (learned-group sparse attention) in JAX / Flax NNX",
+    python_requires=">=3.11",
+    packages=find_packages(include=["focal_jax", "focal_jax.*"]) + ["focal_jax.kernels"],
+    package_dir={"focal_jax.kernels": "kernels"},
+    install_requires=[
+        # jax 0.10.2 (Python 3.11, CPU) and 0.11.x (Python 3.12, GPU) are both supported.
+        "jax>=0.10.2,<0.12",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "grain>=0.2.10",
+        "sentencepiece>=0.2",
+        "ml-collections>=1.0",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "torch==2.13.0",
+            "transformers>=4.50",
+            "safetensors>=0.4",
+        ],
+        "gpu": ["jax[cuda12]>=0.10.2,<0.12", "jax-triton>=0.3"],
+        "notebooks": ["jupyter", "ipykernel"],
+    },
+)
