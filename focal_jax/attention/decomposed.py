@@ -130,10 +130,11 @@ def _n_entry_blocks(routing, block):
     return -(-routing.group_start[-1] // block)
 
 
-def _scores(q, k, tile):
-    """q `[T + 1, Hk, G, D]`, k `[T + 1, Hk, D]` -> masked logits `[bq, Hk, G, bk]` (-inf where not allowed)."""
-    s = jnp.einsum("qhgd,khd->qhgk", q[tile.query_token], k[tile.key_token])
-    return jnp.where(tile.mask[:, None, None, :], s, -jnp.inf)
+def _scores(q_block, k_block, mask):
+    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> logits `[bq, Hk, G, bk]`, -inf where mask `[bq, bk]` is
+    False."""
+    s = jnp.einsum("qhgd,khd->qhgk", q_block, k_block)
+    return jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,21 +188,25 @@ def _forward(q, k, v, routing, window, block):
     def band_block(block_index, totals):
         tile = _band_tile(routing, block_index, t, window, block)
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
-        state = _online_update(empty, _scores(q, k, tile), v[tile.key_token])
+        s = _scores(q[tile.query_token], k[tile.key_token], tile.mask)
+        state = _online_update(empty, s, v[tile.key_token])
         return _merge_into_tokens(totals, tile.query_token, state)
 
     totals = jax.lax.fori_loop(0, -(-t // block), band_block, totals)
 
     def group_block(query_block, totals):
+        tokens = jax.lax.dynamic_slice_in_dim(routing.entry_token, query_block * block, block)
+        q_block = q[tokens]
+
         def key_step(carry):
             key_block, state = carry
             tile = _group_tile(routing, query_block, key_block, t, block)
-            return key_block + 1, _online_update(state, _scores(q, k, tile), v[tile.key_token])
+            s = _scores(q_block, k[tile.key_token], tile.mask)
+            return key_block + 1, _online_update(state, s, v[tile.key_token])
 
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
         first = _first_key_block(routing, query_block, block)
         _, state = jax.lax.while_loop(lambda c: c[0] <= query_block, key_step, (first, empty))
-        tokens = jax.lax.dynamic_slice_in_dim(routing.entry_token, query_block * block, block)
         return _merge_into_tokens(totals, tokens, state)
 
     m, l, acc = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, totals)
@@ -213,17 +218,23 @@ def _forward(q, k, v, routing, window, block):
 # Backward: recompute each tile's probabilities from the saved log-sum-exp (flash-attention style).
 # ----------------------------------------------------------------------------------------------------------------
 
-def _tile_grads(q, k, v, lse, d_out, delta, tile):
+class QueryBlock(NamedTuple):
+    """What the backward pass needs of a block of queries, gathered once: q, dO `[bq, Hk, G, D|Dv]`, and the
+    saved log-sum-exp and rowsum(dO * O) `[bq, Hk, G]`."""
+    q: jax.Array
+    d_out: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+
+
+def _tile_grads(query, k_block, v_block, mask):
     """Gradient contributions of one tile: dq `[bq,Hk,G,D]`, dk `[bk,Hk,D]`, dv `[bk,Hk,Dv]`."""
-    q_tile, k_tile, v_tile = q[tile.query_token], k[tile.key_token], v[tile.key_token]
-    d_out_tile = d_out[tile.query_token]
-    s = jnp.where(tile.mask[:, None, None, :], jnp.einsum("qhgd,khd->qhgk", q_tile, k_tile), -jnp.inf)
-    p = jnp.exp(s - lse[tile.query_token][..., None])
-    dp = jnp.einsum("qhgd,khd->qhgk", d_out_tile, v_tile)
-    ds = p * (dp - delta[tile.query_token][..., None])
-    dq = jnp.einsum("qhgk,khd->qhgd", ds, k_tile)
-    dk = jnp.einsum("qhgk,qhgd->khd", ds, q_tile)
-    dv = jnp.einsum("qhgk,qhgd->khd", p, d_out_tile)
+    p = jnp.exp(_scores(query.q, k_block, mask) - query.lse[..., None])
+    dp = jnp.einsum("qhgd,khd->qhgk", query.d_out, v_block)
+    ds = p * (dp - query.delta[..., None])
+    dq = jnp.einsum("qhgk,khd->qhgd", ds, k_block)
+    dk = jnp.einsum("qhgk,qhgd->khd", ds, query.q)
+    dv = jnp.einsum("qhgk,qhgd->khd", p, query.d_out)
     return dq, dk, dv
 
 
@@ -232,26 +243,38 @@ def _backward(q, k, v, routing, out, lse, d_out, window, block):
     delta = jnp.sum(d_out * out, axis=-1)
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
     lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out), _with_dummy_row(delta)
-    grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
 
-    def add_tile(grads, tile):
-        dq, dk, dv = grads
-        tile_dq, tile_dk, tile_dv = _tile_grads(q, k, v, lse, d_out, delta, tile)
-        return (dq.at[tile.query_token].add(tile_dq), dk.at[tile.key_token].add(tile_dk),
-                dv.at[tile.key_token].add(tile_dv))
+    def gather_queries(tokens):
+        return QueryBlock(q[tokens], d_out[tokens], lse[tokens], delta[tokens])
+
+    def add_tile(query, key_tokens, mask, dq_block, dk, dv):
+        tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask)
+        return dq_block + tile_dq, dk.at[key_tokens].add(tile_dk), dv.at[key_tokens].add(tile_dv)
 
     def band_block(block_index, grads):
-        return add_tile(grads, _band_tile(routing, block_index, t, window, block))
+        dq, dk, dv = grads
+        tile = _band_tile(routing, block_index, t, window, block)
+        query = gather_queries(tile.query_token)
+        dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, jnp.zeros_like(query.q), dk, dv)
+        return dq.at[tile.query_token].add(dq_block), dk, dv
 
+    grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
     grads = jax.lax.fori_loop(0, -(-t // block), band_block, grads)
 
     def group_block(query_block, grads):
+        dq, dk, dv = grads
+        tokens = jax.lax.dynamic_slice_in_dim(routing.entry_token, query_block * block, block)
+        query = gather_queries(tokens)
+
         def key_step(carry):
-            key_block, grads = carry
-            return key_block + 1, add_tile(grads, _group_tile(routing, query_block, key_block, t, block))
+            key_block, dq_block, dk, dv = carry
+            tile = _group_tile(routing, query_block, key_block, t, block)
+            return (key_block + 1,) + add_tile(query, tile.key_token, tile.mask, dq_block, dk, dv)
 
         first = _first_key_block(routing, query_block, block)
-        return jax.lax.while_loop(lambda c: c[0] <= query_block, key_step, (first, grads))[1]
+        _, dq_block, dk, dv = jax.lax.while_loop(
+            lambda c: c[0] <= query_block, key_step, (first, jnp.zeros_like(query.q), dk, dv))
+        return dq.at[tokens].add(dq_block), dk, dv
 
     dq, dk, dv = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, grads)
     return dq[:t], dk[:t], dv[:t]

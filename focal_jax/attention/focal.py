@@ -30,17 +30,17 @@ def attend(logits, v, mask):
     """Masked softmax over keys, then the weighted sum of values.
 
     logits `[B, Hk, G, T, S]` float32, v `[B, S, Hk, Dv]`, mask bool `[B, T, S]` -> `[B, T, Hk*G, Dv]` in v's dtype.
-    A query with no visible key gets zeros.
+    A query with no visible key gets zeros. The normalisation is applied after the value product, on `[T, Dv]`
+    rather than `[T, S]`.
     """
     b, hk, g, t, s = logits.shape
     logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.exp(logits - row_max)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
-    return out.reshape(b, t, hk * g, v.shape[-1]).astype(v.dtype)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denom = jnp.sum(weights, axis=-1)
+    out = jnp.einsum("bkgts,bskd->bkgtd", weights, v.astype(jnp.float32))
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hk * g, v.shape[-1]).astype(v.dtype)
 
 
 def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None):

@@ -35,9 +35,16 @@ def _prefix_logsumexp(x, labels):
 
 
 def _column_logsumexp(log_q, labels, causal):
-    if causal:
-        return _prefix_logsumexp(log_q, labels)
-    return _segment_logsumexp(log_q, labels)
+    """Per token, the log-sum-exp of each group's column over the tokens it is normalised against: `[B, T, K]`.
+
+    `labels [B, T]` number the segments (None: one segment per row, the common fast case).
+    """
+    if labels is None:
+        if causal:
+            return jax.lax.associative_scan(jnp.logaddexp, log_q, axis=1)  # faster than cumlogsumexp on CPU
+        return jnp.broadcast_to(jax.nn.logsumexp(log_q, axis=1, keepdims=True), log_q.shape)
+    per_row = _prefix_logsumexp if causal else _segment_logsumexp
+    return jax.vmap(per_row)(log_q, labels)
 
 
 def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False):
@@ -76,17 +83,15 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False):
     _validate.check_segment_ids(segment_ids, b, t)
     if valid is not None and tuple(valid.shape) != (b, t):
         raise ValueError(f"valid must have shape [batch, seq] = {(b, t)}, got shape {valid.shape}")
-    if segment_ids is None:
-        labels = jnp.zeros((b, t), jnp.int32)
-    else:
+    labels = None
+    if segment_ids is not None:
         labels = jax.vmap(lambda s: jnp.unique(s, size=t, fill_value=0, return_inverse=True)[1].reshape(t))(
             segment_ids)
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
 
     log_q = scores.astype(jnp.float32)
-    column_lse = jax.vmap(lambda x, lab: _column_logsumexp(x, lab, causal))
     for _ in range(n_iters):
         counted = jnp.where(valid[..., None], log_q, -jnp.inf)
-        log_q = log_q - jnp.where(valid[..., None], column_lse(counted, labels), 0.0)
+        log_q = log_q - jnp.where(valid[..., None], _column_logsumexp(counted, labels, causal), 0.0)
         log_q = log_q - jax.nn.logsumexp(log_q, axis=-1, keepdims=True)
     return jnp.exp(log_q)
