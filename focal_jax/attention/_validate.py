@@ -26,7 +26,8 @@ def check_qkv(q, k, v):
         raise ValueError(f"q and k must have the same head_dim, got q {q.shape} and k {k.shape}")
     hk = k.shape[2]
     if hk == 0 or h % hk:
-        raise ValueError(f"kv heads must divide q heads (GQA), got q heads={h} and kv heads={hk}")
+        raise ValueError(f"the heads of k and v (kv heads) must divide the heads of q (GQA), got q heads={h} "
+                         f"and k heads={hk}")
     return b, t, h, hk
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from focal_jax.attention import _validate
 from focal_jax.attention.masks import attention_mask
+from focal_jax.attention.segments import segment_prefix, segment_total
 
 
 def attention_logits(q, k, multiplier):
@@ -95,15 +96,6 @@ def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segm
                            segment_ids=segment_ids)
 
 
-def _segment_starts(segment_ids):
-    """Index of the first token of each token's run of equal segment ids: `[B, T]` -> `[B, T]`."""
-    t = segment_ids.shape[1]
-    index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
-    is_start = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(is_start, index, 0), axis=1)
-
-
 def _clip(z, tau_min, tau_max, clip):
     if clip == "hard":
         return jnp.clip(z, tau_min, tau_max)
@@ -130,7 +122,7 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
       bias: a scalar offset added to the mean (our addition, not in the paper). Initialise it inside
         `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a hard clip passes no gradient to
         a tau that starts outside the range.
-      segment_ids: optional int `[B, T]`; the mean runs over the token's own segment (contiguous runs).
+      segment_ids: optional int `[B, T]`; the mean runs over the tokens of the token's own segment.
 
     Returns:
       tau `[B, T]` in float32. Use it as `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])`.
@@ -158,17 +150,7 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         else:
             mean = jnp.cumsum(z, axis=1) / jnp.arange(1, t + 1)
     else:
-        starts = _segment_starts(segment_ids)
-        index = jnp.arange(t)
-        cumsum = jnp.cumsum(z, axis=1)
-        before_start = jnp.where(starts > 0, jnp.take_along_axis(cumsum, jnp.maximum(starts - 1, 0), 1), 0.0)
-        prefix_sum = cumsum - before_start
-        if mode == "prefix":
-            mean = prefix_sum / (index - starts + 1)
-        else:
-            is_end = jnp.concatenate(
-                [segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones_like(segment_ids[:, :1], bool)], axis=1)
-            end_index = jax.lax.cummin(jnp.where(is_end, index, t - 1), axis=1, reverse=True)
-            total = jnp.take_along_axis(prefix_sum, end_index, axis=1)
-            mean = total / (end_index - starts + 1)
+        reduce = segment_prefix if mode == "prefix" else segment_total
+        per_row = jax.vmap(lambda values, ids: reduce(values, ids, "sum"))
+        mean = per_row(z, segment_ids) / per_row(jnp.ones_like(z), segment_ids)
     return _clip(mean + bias, tau_min, tau_max, clip)

@@ -1,0 +1,43 @@
+"""Reductions over the tokens of one segment (tokens with equal segment id), in full or over a causal prefix.
+
+Shared by Sinkhorn (column sums per segment) and the learned temperature (mean per segment). Segments are defined
+by equal ids, as in the attention masks, whether or not their tokens are contiguous.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def segment_labels(segment_ids):
+    """Renumbers segment ids `[T]` to labels in [0, T) (equal ids, equal labels), for `jax.ops.segment_*`."""
+    t = segment_ids.shape[0]
+    return jnp.unique(segment_ids, size=t, fill_value=segment_ids[0], return_inverse=True)[1].reshape(t)
+
+
+def segment_total(x, segment_ids, combine):
+    """Per token, `combine`-reduction (`'sum'` or `'logsumexp'`) of `x [T, ...]` over its segment -> `[T, ...]`."""
+    t = x.shape[0]
+    labels = segment_labels(segment_ids)
+    if combine == "sum":
+        return jax.ops.segment_sum(x, labels, num_segments=t)[labels]
+    peak = jax.ops.segment_max(x, labels, num_segments=t)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)[labels]
+    return jnp.log(jax.ops.segment_sum(jnp.exp(x - peak), labels, num_segments=t)[labels]) + peak
+
+
+def segment_prefix(x, segment_ids, combine):
+    """Per token i, `combine`-reduction (`'sum'` or `'logsumexp'`) of `x [T, ...]` over tokens j <= i of the same
+    segment -> `[T, ...]`. Stable-sorts by segment so each segment is a contiguous run, scans, unsorts."""
+    binary = jnp.add if combine == "sum" else jnp.logaddexp
+    order = jnp.argsort(segment_ids, stable=True)
+    sorted_ids = segment_ids[order]
+    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    starts = starts.reshape(starts.shape + (1,) * (x.ndim - 1))
+
+    def segmented(left, right):
+        left_start, left_value = left
+        right_start, right_value = right
+        return left_start | right_start, jnp.where(right_start, right_value, binary(left_value, right_value))
+
+    _, prefix = jax.lax.associative_scan(segmented, (starts, x[order]))
+    return jnp.zeros_like(prefix).at[order].set(prefix)

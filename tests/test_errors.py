@@ -1,0 +1,152 @@
+"""Bad input raises ValueError whose message names the argument (and, for settings, the bad value)."""
+
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from focal_jax.attention import (dot_product_attention, focal_attention, focus_attention, focus_mask,
+                                 focus_sparse_attention, learned_temperature, routing_scores, sinkhorn,
+                                 topk_membership)
+
+B, T, H, D, K = 1, 8, 2, 4, 3
+
+
+def ones(*shape):
+    return jnp.ones(shape, jnp.float32)
+
+
+Q, KK, V = ones(B, T, H, D), ones(B, T, H, D), ones(B, T, H, D)
+G = jnp.full((B, T, K), 1.0 / K)
+MEM = jnp.ones((B, T, K), bool)
+
+
+def check_raises(fn, name, value=None):
+    """fn() raises ValueError; the message names `name` (as a word) and contains `value` if given."""
+    with pytest.raises(ValueError) as info:
+        fn()
+    msg = str(info.value)
+    assert re.search(rf"(?<![A-Za-z0-9_]){name}(?![A-Za-z0-9_])", msg), f"{name!r} not named in: {msg}"
+    if value is not None:
+        assert str(value) in msg, f"value {value!r} not in: {msg}"
+
+
+# Every function that takes q, k, v, called with everything else valid.
+ATTENTION_FNS = {
+    "dot_product_attention": lambda q, k, v, **kw: dot_product_attention(q, k, v, **kw),
+    "focal_attention": lambda q, k, v, **kw: focal_attention(q, k, v, **kw),
+    "focus_attention": lambda q, k, v, **kw: focus_attention(q, k, v, G, **kw),
+    "focus_sparse_attention_reference": lambda q, k, v, **kw: focus_sparse_attention(q, k, v, MEM, **kw),
+    "focus_sparse_attention_decomposed": lambda q, k, v, **kw: focus_sparse_attention(
+        q, k, v, MEM, impl="decomposed", block_size=4, **kw),
+}
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+def test_mismatched_shapes(fn):
+    f = ATTENTION_FNS[fn]
+    check_raises(lambda: f(Q, ones(B, T, H, D + 1), V), "k")            # head_dim of k differs from q
+    check_raises(lambda: f(Q, KK, ones(B, T + 1, H, D)), "v")           # sequence of v differs from k
+    check_raises(lambda: f(ones(B, T, H), KK, V), "q")                  # q is not 4-d
+    check_raises(lambda: f(Q, KK, ones(B + 1, T, H, D)), "v")           # batch of v differs
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+def test_kv_heads_must_divide_q_heads(fn):
+    f = ATTENTION_FNS[fn]
+    with pytest.raises(ValueError) as info:
+        f(ones(B, T, 4, D), ones(B, T, 3, D), ones(B, T, 3, D))
+    msg = str(info.value)
+    assert re.search(r"\bk\b|\bkv\b", msg) and "3" in msg and "4" in msg, msg
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+def test_negative_window(fn):
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, window=-1), "window", -1)
+
+
+@pytest.mark.parametrize("fn", ["focal_attention", "focus_attention", "focus_sparse_attention_reference",
+                                "focus_sparse_attention_decomposed"])
+@pytest.mark.parametrize("bad", [0.0, -0.5])
+def test_non_positive_temperature(fn, bad):
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, temperature=bad), "temperature", bad)
+
+
+def test_temperature_array_checks():
+    check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.full((B, T, H), 0.5).at[0, 3, 1].set(0.0)),
+                 "temperature")
+    check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.ones((B, T + 1, H))), "temperature")
+
+
+def test_segment_ids_shape():
+    check_raises(lambda: focal_attention(Q, KK, V, segment_ids=jnp.zeros((B, T + 1), jnp.int32)), "segment_ids")
+    check_raises(lambda: sinkhorn(G, segment_ids=jnp.zeros((B, T - 1), jnp.int32)), "segment_ids")
+    check_raises(lambda: focus_mask(MEM, window=2, segment_ids=jnp.zeros((B + 1, T), jnp.int32)), "segment_ids")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# learned temperature
+# ------------------------------------------------------------------------------------------------------------
+
+X = ones(B, T, 6)
+W_TAU = jnp.zeros(6)
+
+
+@pytest.mark.parametrize("tau_min,tau_max", [(10.0, 5.0), (5.0, 5.0)])
+def test_tau_min_must_be_below_tau_max(tau_min, tau_max):
+    check_raises(lambda: learned_temperature(X, W_TAU, tau_min=tau_min, tau_max=tau_max), "tau_min", tau_min)
+
+
+def test_unknown_mode_and_clip():
+    check_raises(lambda: learned_temperature(X, W_TAU, tau_min=1.0, tau_max=2.0, mode="causal_ish"),
+                 "mode", "causal_ish")
+    check_raises(lambda: learned_temperature(X, W_TAU, tau_min=1.0, tau_max=2.0, clip="soft_ish"),
+                 "clip", "soft_ish")
+
+
+def test_learned_temperature_shapes():
+    check_raises(lambda: learned_temperature(X, jnp.zeros(5), tau_min=1.0, tau_max=2.0), "w_tau")
+    check_raises(lambda: learned_temperature(ones(T, 6), W_TAU, tau_min=1.0, tau_max=2.0), "x")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# routing, sinkhorn, membership
+# ------------------------------------------------------------------------------------------------------------
+
+HID = ones(B, T, 6)
+W_G = ones(6, 4)
+
+
+def test_routing_scores_errors():
+    check_raises(lambda: routing_scores(HID, W_G, ones(0, 4)), "centroids")          # K < 1
+    check_raises(lambda: routing_scores(HID, W_G, ones(K, 5)), "centroids")          # d_g mismatch
+    check_raises(lambda: routing_scores(HID, ones(7, 4), ones(K, 4)), "w_g")         # d_model mismatch
+    check_raises(lambda: routing_scores(HID, W_G, ones(K, 4), tau=0.0), "tau", 0.0)
+
+
+def test_sinkhorn_errors():
+    check_raises(lambda: sinkhorn(ones(B, T, 0)), "scores")                          # K < 1
+    check_raises(lambda: sinkhorn(ones(B, T)), "scores")
+    check_raises(lambda: sinkhorn(G, n_iters=0), "n_iters", 0)
+    check_raises(lambda: sinkhorn(G, valid=jnp.ones((B, T + 2), bool)), "valid")
+
+
+@pytest.mark.parametrize("bad_k", [0, K + 1, -1])
+def test_topk_membership_k_out_of_range(bad_k):
+    check_raises(lambda: topk_membership(G, bad_k), "k", bad_k)
+
+
+def test_topk_membership_needs_groups():
+    check_raises(lambda: topk_membership(ones(B, T, 0), 1), "g")
+
+
+def test_focus_errors():
+    check_raises(lambda: focus_attention(Q, KK, V, G, gate="multiplicative"), "gate", "multiplicative")
+    check_raises(lambda: focus_attention(Q, KK, V, ones(B, T + 1, K)), "g")
+    check_raises(lambda: focus_attention(Q, KK, V, ones(B, T, 0)), "g")              # K < 1
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="triton"), "impl", "triton")
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, jnp.ones((B, T, 0), bool)), "membership")
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM[:, :-1]), "membership")
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="decomposed", block_size=0), "block_size", 0)
+    check_raises(lambda: focus_mask(MEM, window=-3), "window", -3)
+    check_raises(lambda: focus_mask(MEM[0], window=1), "membership")

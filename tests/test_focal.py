@@ -1,0 +1,297 @@
+"""Focal attention (constant and per-query temperature) and the learned temperature.
+
+Ground truth: jax.nn.dot_product_attention and focal_jax.attention.reference (naive, independent code).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from focal_jax.attention import dot_product_attention, focal_attention, learned_temperature
+from focal_jax.attention import reference
+
+ATOL = 1e-5
+
+
+def rand_qkv(seed, b=2, t=40, h=4, hk=None, d=8, dv=None):
+    hk = h if hk is None else hk
+    dv = d if dv is None else dv
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
+    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
+    v = jax.random.normal(kv, (b, t, hk, dv), jnp.float32)
+    return q, k, v
+
+
+def assert_close(x, y, atol=ATOL):
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    err = float(np.max(np.abs(x - y)))
+    assert err < atol, f"max abs err {err:.3g} >= {atol:.1g}"
+
+
+def segment_mask(segment_ids):
+    """[B, 1, T, T] bool mask for jax.nn.dot_product_attention: equal segment ids only."""
+    seg = jnp.asarray(segment_ids)
+    return (seg[:, :, None] == seg[:, None, :])[:, None]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Constant temperature.
+# ------------------------------------------------------------------------------------------------------------
+
+def test_temperature_one_equals_jax_dense():
+    q, k, v = rand_qkv(0)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(focal_attention(q, k, v, temperature=1.0), want)
+    assert_close(dot_product_attention(q, k, v), want)
+    assert_close(reference.attention(q, k, v), want)
+
+
+def test_temperature_one_is_bitwise_dot_product_attention():
+    q, k, v = rand_qkv(1)
+    np.testing.assert_array_equal(np.asarray(focal_attention(q, k, v, temperature=1.0)),
+                                  np.asarray(dot_product_attention(q, k, v)))
+
+
+def test_non_causal_equals_jax_dense():
+    q, k, v = rand_qkv(2, t=24)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=False)
+    assert_close(focal_attention(q, k, v, causal=False), want)
+    assert_close(dot_product_attention(q, k, v, causal=False), want)
+
+
+@pytest.mark.parametrize("t_focal", [0.4, 2.5])
+def test_temperature_equals_jax_with_folded_scale(t_focal):
+    q, k, v = rand_qkv(3)
+    d = q.shape[-1]
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=1.0 / (t_focal * np.sqrt(d)))
+    got = focal_attention(q, k, v, temperature=t_focal)
+    assert_close(got, want)
+    # sharpening really changes the output (so this test can fail)
+    assert float(jnp.max(jnp.abs(got - jax.nn.dot_product_attention(q, k, v, is_causal=True)))) > 1e-2
+
+
+def test_explicit_scale_and_temperature_multiply():
+    q, k, v = rand_qkv(4)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=0.3 / 0.6)
+    assert_close(focal_attention(q, k, v, temperature=0.6, scale=0.3), want)
+
+
+@pytest.mark.parametrize("window", [0, 5, 39, 100])
+def test_window_equals_jax_local_window(window):
+    q, k, v = rand_qkv(5)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0))
+    assert_close(dot_product_attention(q, k, v, window=window), want)
+    want_t = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window, 0),
+                                          scale=1.0 / (0.4 * np.sqrt(q.shape[-1])))
+    assert_close(focal_attention(q, k, v, temperature=0.4, window=window), want_t)
+    assert_close(reference.attention(q, k, v, window=window), want)
+
+
+def test_window_zero_attends_to_self_only():
+    q, k, v = rand_qkv(6)
+    assert_close(dot_product_attention(q, k, v, window=0), v)
+
+
+SEGMENTS = np.array([[0] * 25 + [1] * 15, [3] * 7 + [5] * 20 + [9] * 13], np.int32)
+
+
+def test_segments_equal_reference_and_jax_masked():
+    q, k, v = rand_qkv(7)
+    seg = jnp.asarray(SEGMENTS)
+    got = focal_attention(q, k, v, temperature=0.5, segment_ids=seg)
+    assert_close(got, reference.attention(q, k, v, temperature=0.5, segment_ids=seg))
+    want = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg), is_causal=True,
+                                        scale=1.0 / (0.5 * np.sqrt(q.shape[-1])))
+    assert_close(got, want)
+    # with a window as well
+    got_w = dot_product_attention(q, k, v, window=4, segment_ids=seg)
+    want_w = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg), is_causal=True,
+                                          local_window_size=(4, 0))
+    assert_close(got_w, want_w)
+
+
+def test_segments_block_cross_document_attention():
+    q, k, v = rand_qkv(8, b=1)
+    seg = jnp.asarray(SEGMENTS[:1])
+    doc1 = slice(0, 25)
+    doc2 = slice(25, 40)
+    out = dot_product_attention(q, k, v, segment_ids=seg)
+    key = jax.random.key(99)
+    q2 = q.at[:, doc2].set(jax.random.normal(key, q[:, doc2].shape))
+    k2 = k.at[:, doc2].set(jax.random.normal(jax.random.fold_in(key, 1), k[:, doc2].shape))
+    v2 = v.at[:, doc2].set(jax.random.normal(jax.random.fold_in(key, 2), v[:, doc2].shape))
+    out2 = dot_product_attention(q2, k2, v2, segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(out[:, doc1]), np.asarray(out2[:, doc1]))
+    assert float(jnp.max(jnp.abs(out[:, doc2] - out2[:, doc2]))) > 1e-2
+    # doc 2 attends as if it were alone: its first token sees only itself
+    assert_close(out[:, 25], v[:, 25])
+    # the reverse direction (the one plain causal attention would leak): perturbing doc 1 must not move doc 2
+    q3 = q.at[:, doc1].multiply(-1.0)
+    v3 = v.at[:, doc1].add(1.0)
+    out3 = dot_product_attention(q3, k, v3, segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(out[:, doc2]), np.asarray(out3[:, doc2]))
+    out3_noseg = dot_product_attention(q3, k, v3)
+    out_noseg = dot_product_attention(q, k, v)
+    assert float(jnp.max(jnp.abs(out3_noseg[:, doc2] - out_noseg[:, doc2]))) > 1e-2
+
+
+@pytest.mark.parametrize("hk", [1, 2])
+def test_gqa_equals_jax_and_reference(hk):
+    q, k, v = rand_qkv(9, h=4, hk=hk)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=1.0 / (0.4 * np.sqrt(q.shape[-1])))
+    got = focal_attention(q, k, v, temperature=0.4)
+    assert_close(got, want)
+    assert_close(reference.attention(q, k, v, temperature=0.4), want)
+    # equals MHA with the kv heads repeated in order: query head h uses kv head h // (H // Hk)
+    rep = 4 // hk
+    assert_close(got, focal_attention(q, jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2), temperature=0.4))
+    # a value head_dim different from the query/key head_dim (jax.nn does not allow it): reference only
+    q, k, v = rand_qkv(9, h=4, hk=hk, dv=6)
+    got = focal_attention(q, k, v, temperature=0.4)
+    assert got.shape == (2, 40, 4, 6)
+    assert_close(got, reference.attention(q, k, v, temperature=0.4))
+
+
+def test_per_query_temperature_equals_reference():
+    q, k, v = rand_qkv(10, h=4, hk=2)
+    b, t, h, _ = q.shape
+    temp = jax.random.uniform(jax.random.key(11), (b, t, h), minval=0.3, maxval=2.0)
+    got = focal_attention(q, k, v, temperature=temp)
+    assert_close(got, reference.attention(q, k, v, temperature=temp))
+    # a constant array equals the scalar
+    assert_close(focal_attention(q, k, v, temperature=jnp.full((b, t, h), 0.4)),
+                 focal_attention(q, k, v, temperature=0.4))
+    # broadcastable [B, T, 1] (learned tau shared by heads) with scale=1
+    tau = jax.random.uniform(jax.random.key(12), (b, t), minval=2.0, maxval=4.0)
+    got = focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], segment_ids=jnp.asarray(SEGMENTS))
+    want = reference.attention(q, k, v, scale=1.0, temperature=tau[:, :, None], segment_ids=jnp.asarray(SEGMENTS))
+    assert_close(got, want)
+    # and the row-wise check against jax.nn: query i with tau_i equals dense attention at scale 1/tau_i
+    i = 17
+    want_i = jax.nn.dot_product_attention(q[:1], k[:1], v[:1], is_causal=True, scale=float(1.0 / tau[0, i]),
+                                          mask=segment_mask(SEGMENTS[:1]))[:, i]
+    assert_close(got[:1, i], want_i)
+
+
+def test_bf16_inputs_follow_float32_reference():
+    q, k, v = rand_qkv(13)
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    got = focal_attention(qb, kb, vb, temperature=0.4)
+    assert got.shape == q.shape
+    want = reference.attention(qb, kb, vb, temperature=0.4)
+    assert_close(got.astype(jnp.float32), want, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Learned temperature.
+# ------------------------------------------------------------------------------------------------------------
+
+def rand_x(seed, b=2, t=40, d=16, w_scale=0.3):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (b, t, d), jnp.float32)
+    w = w_scale * jax.random.normal(kw, (d,), jnp.float32)
+    return x, w
+
+
+TAU_RANGE = dict(tau_min=1.0, tau_max=14.0)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "sequence"])
+@pytest.mark.parametrize("segmented", [False, True])
+@pytest.mark.parametrize("clip", ["hard", "straight_through"])
+def test_learned_temperature_matches_reference(mode, segmented, clip):
+    x, w = rand_x(20, w_scale=1.5)   # large enough that some tau hit both clip bounds
+    seg = jnp.asarray(SEGMENTS) if segmented else None
+    got = learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode=mode, clip=clip, bias=7.5, segment_ids=seg)
+    want = reference.learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode=mode, bias=7.5, segment_ids=seg)
+    assert got.shape == x.shape[:2]
+    assert_close(got, want)
+    if mode == "prefix":  # the reference itself exercises both bounds and the interior here
+        assert np.any(want == 5.0) and np.any(want == 10.0) and np.any((want > 5.0) & (want < 10.0))
+
+
+def test_prefix_last_token_equals_sequence():
+    x, w = rand_x(21)
+    pre = learned_temperature(x, w, mode="prefix", bias=7.5, **TAU_RANGE)
+    seq = learned_temperature(x, w, mode="sequence", bias=7.5, **TAU_RANGE)
+    assert_close(pre[:, -1], seq[:, -1])
+    assert_close(seq, jnp.broadcast_to(seq[:, -1:], seq.shape))
+    # with segments: at the last token of each segment
+    seg = jnp.asarray(SEGMENTS)
+    pre = learned_temperature(x, w, mode="prefix", bias=7.5, segment_ids=seg, **TAU_RANGE)
+    seq = learned_temperature(x, w, mode="sequence", bias=7.5, segment_ids=seg, **TAU_RANGE)
+    for bb in range(seg.shape[0]):
+        ids = np.asarray(seg[bb])
+        last = [i for i in range(len(ids)) if i == len(ids) - 1 or ids[i + 1] != ids[i]]
+        assert_close(pre[bb, last], seq[bb, last])
+
+
+@pytest.mark.parametrize("i", [0, 13, 38])
+def test_prefix_ignores_future_sequence_leaks(i):
+    x, w = rand_x(22)
+    x2 = x.at[:, i + 1:].add(3.0 * jax.random.normal(jax.random.key(23), x[:, i + 1:].shape))
+    pre, pre2 = (learned_temperature(xx, w, mode="prefix", bias=7.5, **TAU_RANGE) for xx in (x, x2))
+    np.testing.assert_array_equal(np.asarray(pre[:, :i + 1]), np.asarray(pre2[:, :i + 1]))
+    assert float(jnp.max(jnp.abs(pre[:, i + 1:] - pre2[:, i + 1:]))) > 1e-3
+    # 'sequence' (the paper's literal mean) does see the future: documents the leak
+    seq, seq2 = (learned_temperature(xx, w, mode="sequence", bias=7.5, **TAU_RANGE) for xx in (x, x2))
+    assert float(jnp.max(jnp.abs(seq[:, :i + 1] - seq2[:, :i + 1]))) > 1e-3
+
+
+def test_gradient_reaches_w_tau_at_initialisation():
+    """w_tau = 0 and bias at mid-range: tau starts inside the clip range, so the hard clip passes gradient."""
+    q, k, v = rand_qkv(24, t=24)
+    x, _ = rand_x(25, t=24)
+    tau_min, tau_max = 5.0, 10.0
+    cot = jax.random.normal(jax.random.key(26), q.shape)
+
+    def loss(w_tau, clip):
+        tau = learned_temperature(x, w_tau, tau_min=tau_min, tau_max=tau_max, clip=clip,
+                                  bias=(tau_min + tau_max) / 2)
+        return jnp.sum(focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None]) * cot)
+
+    w0 = jnp.zeros(x.shape[-1])
+    for clip in ("hard", "smooth", "straight_through"):
+        tau0 = learned_temperature(x, w0, tau_min=tau_min, tau_max=tau_max, clip=clip, bias=7.5)
+        assert_close(tau0, jnp.full(tau0.shape, 7.5))
+        grad = jax.grad(loss)(w0, clip)
+        assert bool(jnp.all(jnp.isfinite(grad)))
+        assert float(jnp.linalg.norm(grad)) > 1e-4, (clip, grad)
+
+
+def test_clip_dead_zone():
+    """w_tau = 0, bias = 0: tau starts below tau_min. Hard clip: zero gradient; smooth / straight-through: not."""
+    x, _ = rand_x(27)
+    cot = jax.random.normal(jax.random.key(28), x.shape[:2])
+    w0 = jnp.zeros(x.shape[-1])
+
+    def loss(w_tau, clip, mode):
+        return jnp.sum(learned_temperature(x, w_tau, tau_min=5.0, tau_max=10.0, mode=mode, clip=clip) * cot)
+
+    for mode in ("prefix", "sequence"):
+        np.testing.assert_array_equal(np.asarray(jax.grad(loss)(w0, "hard", mode)), 0.0)
+        for clip in ("smooth", "straight_through"):
+            grad = jax.grad(loss)(w0, clip, mode)
+            assert bool(jnp.all(jnp.isfinite(grad)))
+            assert float(jnp.max(jnp.abs(grad))) > 1e-6, (clip, mode)
+    # straight-through: clipped forward, identity backward (d tau / d bias = 1 per token)
+    st = learned_temperature(x, w0, tau_min=5.0, tau_max=10.0, clip="straight_through")
+    assert_close(st, jnp.full(st.shape, 5.0))
+    g_bias = jax.grad(lambda bias: jnp.sum(learned_temperature(
+        x, w0, tau_min=5.0, tau_max=10.0, clip="straight_through", bias=bias)))(0.0)
+    assert abs(float(g_bias) - x.shape[0] * x.shape[1]) < 1e-3
+
+
+def test_smooth_clip_stays_in_range_and_is_monotone():
+    x, w = rand_x(29, w_scale=5.0)
+    tau = learned_temperature(x, w, tau_min=5.0, tau_max=10.0, clip="smooth")
+    assert bool(jnp.all((tau >= 5.0) & (tau <= 10.0)))
+    biases = jnp.linspace(-50.0, 50.0, 21)
+    x1 = jnp.ones((1, 3, 4))
+    vals = np.array([float(learned_temperature(x1, jnp.zeros(4), tau_min=5.0, tau_max=10.0, clip="smooth",
+                                               bias=bias)[0, 0]) for bias in biases])
+    assert np.all(np.diff(vals) >= 0) and vals[0] < 5.5 and vals[-1] > 9.5

@@ -1,0 +1,141 @@
+"""Focus soft-gated attention (training form), against the naive reference and jax.nn.dot_product_attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from focal_jax.attention import focus_attention, routing_scores, sinkhorn
+from focal_jax.attention import reference
+
+
+def assert_close(x, y, atol=1e-5):
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    assert x.shape == y.shape, (x.shape, y.shape)
+    err = float(np.max(np.abs(x - y)))
+    assert err < atol, f"max abs err {err:.3g} >= {atol:.1g}"
+
+
+def rand_qkv(seed, b=2, t=40, h=4, hk=None, d=8):
+    hk = h if hk is None else hk
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
+    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
+    v = jax.random.normal(kv, (b, t, hk, d), jnp.float32)
+    return q, k, v
+
+
+def rand_g(seed, b=2, t=40, k=4, sharpness=3.0):
+    """Soft assignments: rows on the probability simplex."""
+    return jax.nn.softmax(sharpness * jax.random.normal(jax.random.key(seed), (b, t, k)), axis=-1)
+
+
+SEG = jnp.asarray([[0] * 25 + [1] * 15, [2] * 9 + [3] * 31], jnp.int32)
+
+CASES = {
+    "plain": dict(),
+    "gqa_temp_array_segments": dict(hk=2, temp_array=True, segmented=True),
+    "scalar_temp_scale_lam": dict(temperature=0.4, scale=0.5, lam=3.0),
+}
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_soft_equals_reference(gate, case):
+    cfg = CASES[case]
+    q, k, v = rand_qkv(0, hk=cfg.get("hk"))
+    g = rand_g(1)
+    b, t, h, _ = q.shape
+    if cfg.get("temp_array"):
+        temperature = jax.random.uniform(jax.random.key(2), (b, t, h), minval=0.3, maxval=1.5)
+    else:
+        temperature = cfg.get("temperature", 1.0)
+    kw = dict(window=5, gate=gate, lam=cfg.get("lam", 10.0), temperature=temperature, scale=cfg.get("scale"),
+              segment_ids=SEG if cfg.get("segmented") else None)
+    got = focus_attention(q, k, v, g, **kw)
+    want = reference.focus_soft_attention(q, k, v, g, **kw)
+    assert got.shape == q.shape
+    assert_close(got, want)
+    # the gate acts (so this test can fail): the soft form is not plain causal attention
+    dense = reference.attention(q, k, v, temperature=temperature, scale=cfg.get("scale"),
+                                segment_ids=kw["segment_ids"])
+    assert float(jnp.max(jnp.abs(want - dense))) > 1e-2
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_window_covering_sequence_is_dense_causal(gate):
+    """All pairs local: nothing is gated, whatever g, so the result is dense causal attention."""
+    q, k, v = rand_qkv(3, t=24)
+    g = rand_g(4, t=24)
+    for window in (23, 200):
+        got = focus_attention(q, k, v, g, window=window, gate=gate, lam=10.0)
+        assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    got = focus_attention(q, k, v, g, window=23, gate=gate, temperature=0.4)
+    assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=1 / (0.4 * np.sqrt(8))))
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_local_pairs_are_ungated(gate):
+    """Queries i <= w see only local keys, so their outputs equal dense causal attention for any g."""
+    q, k, v = rand_qkv(5)
+    g = rand_g(6)
+    w = 9
+    got = focus_attention(q, k, v, g, window=w, gate=gate, lam=10.0)
+    dense = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(got[:, :w + 1], dense[:, :w + 1])
+    assert float(jnp.max(jnp.abs(got[:, w + 1:] - dense[:, w + 1:]))) > 1e-2
+
+
+def test_log_gate_limits_are_local_window_and_dense():
+    """'log' gate, lam large: affinity 0 prunes distant pairs (local-window attention); affinity 1 keeps them."""
+    t = 24
+    q, k, v = rand_qkv(7, t=t)
+    w = 4
+    orthogonal = jnp.broadcast_to(jnp.eye(t), (2, t, t))          # K = T, a_ij = 0 for i != j
+    got = focus_attention(q, k, v, orthogonal, window=w, gate="log", lam=1e4)
+    assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(w, 0)))
+    same = jnp.zeros((2, t, 3)).at[:, :, 1].set(1.0)             # one group for everyone, a_ij = 1
+    got = focus_attention(q, k, v, same, window=w, gate="log", lam=100.0)
+    assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_paper_gate_with_zero_affinity_halves_distant_logits():
+    """Eq. 2 literally: a_ij = 0 gives sigmoid(0) = 1/2 on distant logits, written here as an explicit bias."""
+    t = 24
+    q, k, v = rand_qkv(8, t=t, b=1, h=1)
+    w = 4
+    orthogonal = jnp.eye(t)[None]
+    got = focus_attention(q, k, v, orthogonal, window=w, gate="paper", lam=10.0)
+    scale = 1 / np.sqrt(q.shape[-1])
+    logits = jnp.einsum("bihd,bjhd->bhij", q, k) * scale
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    distant = jnp.asarray((i - j > w)[None, None])
+    bias = jnp.where(distant, -0.5 * logits, 0.0)                 # logit + bias = logit / 2 on distant pairs
+    want = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, scale=scale)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_gradients_through_routing_sinkhorn_and_gate(gate):
+    """check_grads (reverse mode) through routing_scores -> sinkhorn -> focus_attention w.r.t. centroids and W_g."""
+    b, t, h, d, d_model, d_g, n_groups = 1, 12, 2, 4, 6, 4, 3
+    keys = jax.random.split(jax.random.key(9), 6)
+    q = jax.random.normal(keys[0], (b, t, h, d))
+    k = jax.random.normal(keys[1], (b, t, h, d))
+    v = jax.random.normal(keys[2], (b, t, h, d))
+    x = jax.random.normal(keys[3], (b, t, d_model))
+    w_g = jax.random.normal(keys[4], (d_model, d_g)) / np.sqrt(d_model)
+    centroids = jax.random.normal(keys[5], (n_groups, d_g))
+
+    def f(centroids, w_g):
+        g = sinkhorn(routing_scores(x, w_g, centroids, tau=0.5), n_iters=10)
+        return focus_attention(q, k, v, g, window=2, gate=gate, lam=4.0)
+
+    check_grads(f, (centroids, w_g), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-3)
+    # the gradient really flows to both (check_grads would also pass for a function that ignores them)
+    cot = jax.random.normal(jax.random.key(10), q.shape)
+    gc, gw = jax.grad(lambda c, w: jnp.sum(f(c, w) * cot), argnums=(0, 1))(centroids, w_g)
+    assert float(jnp.linalg.norm(gc)) > 1e-3 and float(jnp.linalg.norm(gw)) > 1e-3
+    assert bool(jnp.all(jnp.isfinite(gc))) and bool(jnp.all(jnp.isfinite(gw)))

@@ -1,0 +1,309 @@
+"""Hard Focus attention (inference form): membership, mask, and the exact decomposed fast path.
+
+Ground truth: focal_jax.attention.reference (dense masked, naive) and jax.nn.dot_product_attention.
+"""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from focal_jax.attention import focus_mask, focus_sparse_attention, topk_membership
+from focal_jax.attention import reference
+
+ATOL = 1e-5
+
+# One compiled function per (shapes, window, impl, block_size); temperature/scale are traced when they are arrays.
+sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "impl", "block_size"))
+naive = jax.jit(reference.focus_hard_attention, static_argnames=("window",))
+
+
+def assert_close(x, y, atol=ATOL, what=""):
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    assert x.shape == y.shape, (what, x.shape, y.shape)
+    err = float(np.max(np.abs(x - y))) if x.size else 0.0
+    assert err < atol, f"{what}: max abs err {err:.3g} >= {atol:.1g}"
+
+
+def rand_qkv(seed, b, t, h, hk, d):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
+    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
+    v = jax.random.normal(kv, (b, t, hk, d), jnp.float32)
+    return q, k, v
+
+
+def topk_numpy(scores, k):
+    """Independent top-k membership: the k largest scores of each row (numpy argsort)."""
+    scores = np.asarray(scores)
+    top = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+    mem = np.zeros(scores.shape, bool)
+    np.put_along_axis(mem, top, True, axis=-1)
+    return mem
+
+
+def make_membership(seed, b, t, n_groups, k, *, used_groups=None, bias=None, arbitrary=False):
+    """bool [B, T, K]: top-k of random scores; `used_groups` leaves the other groups empty; `bias` skews sizes;
+    `arbitrary`: independent random bits (rows with 0..K groups)."""
+    rng = np.random.default_rng(seed)
+    if arbitrary:
+        return rng.random((b, t, n_groups)) < 0.35
+    scores = rng.normal(size=(b, t, n_groups))
+    if bias is not None:
+        scores = scores + np.asarray(bias)
+    if used_groups is not None:
+        unused = np.setdiff1d(np.arange(n_groups), used_groups)
+        scores[..., unused] = -np.inf
+    mem = topk_numpy(scores, k)
+    if used_groups is not None:
+        assert not mem[..., unused].any()
+    return mem
+
+
+def packed_segments(b, t, seed):
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, t), np.int32)
+    for bb in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), size=min(2, t - 1), replace=False))
+        for c in cuts:
+            seg[bb, c:] += 1
+    return seg
+
+
+# name: (b, t, h, hk, d, K, k, window, block_size, extra). Each entry costs a compile: features are combined.
+CONFIGS = {
+    "k1_T77_block16": (2, 77, 2, 2, 8, 4, 1, 8, 16, {}),
+    "k2_T130_K5_block32": (1, 130, 2, 2, 8, 5, 2, 16, 32, {}),
+    "K1": (2, 50, 2, 2, 8, 1, 1, 5, 16, {}),
+    "K8_gt_T5_T_lt_block": (2, 5, 2, 2, 8, 8, 2, 1, 16, {}),
+    "K40_gt_T20_two_bitmask_words": (1, 20, 2, 2, 8, 40, 3, 2, 8, {}),
+    "empty_groups_unequal_k1_T130_K3": (1, 130, 2, 2, 8, 6, 1, 16, 32, dict(used_groups=[0, 3, 4],
+                                                                         bias=[1.5, 0, 0, 0, -1.0, 0])),
+    "empty_groups_k2": (1, 64, 2, 2, 8, 6, 2, 4, 16, dict(used_groups=[1, 2, 5])),
+    "window0": (2, 60, 2, 2, 8, 3, 1, 0, 16, {}),
+    "window_gt_T": (1, 60, 2, 2, 8, 3, 1, 200, 16, {}),
+    "segments_k2": (2, 77, 2, 2, 8, 4, 2, 8, 16, dict(segments=True)),
+    "gqa_4_1": (1, 70, 4, 1, 8, 4, 2, 6, 16, {}),
+    "temperature_scalar_scale": (1, 70, 2, 2, 8, 4, 2, 6, 16, dict(temperature=0.4, scale=0.7)),
+    "arbitrary_membership_segments_gqa_temperature_array": (2, 90, 4, 2, 8, 5, 0, 7, 16,
+                                                            dict(arbitrary=True, segments=True, temp_array=True)),
+    "default_block_T150": (1, 150, 2, 2, 8, 4, 1, 10, None, {}),
+}
+
+
+def build_case(name, seed=0):
+    b, t, h, hk, d, n_groups, topk, window, block, extra = CONFIGS[name]
+    q, k, v = rand_qkv(seed, b, t, h, hk, d)
+    mem = make_membership(seed + 1, b, t, n_groups, topk, used_groups=extra.get("used_groups"),
+                          bias=extra.get("bias"), arbitrary=extra.get("arbitrary", False))
+    seg = jnp.asarray(packed_segments(b, t, seed + 2)) if extra.get("segments") else None
+    if extra.get("temp_array"):
+        temperature = jax.random.uniform(jax.random.key(seed + 3), (b, t, h), minval=0.3, maxval=1.5)
+    else:
+        temperature = extra.get("temperature", 1.0)
+    kw = dict(window=window, temperature=temperature, scale=extra.get("scale"), segment_ids=seg)
+    return q, k, v, jnp.asarray(mem), kw, block
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decomposed_and_reference_impl_equal_naive_reference(name):
+    q, k, v, mem, kw, block = build_case(name)
+    want = naive(q, k, v, mem, **kw)
+    got_dec = sparse(q, k, v, mem, impl="decomposed", block_size=block, **kw)
+    assert got_dec.shape == want.shape and got_dec.dtype == jnp.float32
+    assert_close(got_dec, want, what="decomposed")
+    got_ref = sparse(q, k, v, mem, impl="reference", **kw)
+    assert_close(got_ref, want, what="impl='reference'")
+
+
+def test_the_cases_are_not_trivial():
+    """Guard on the fixtures: the hard mask differs from the causal mask (and from the local band) where it should."""
+    for name in ("k1_T77_block16", "k2_T130_K5_block32", "empty_groups_unequal_k1_T130_K3", "segments_k2",
+                 "window0"):
+        q, k, v, mem, kw, _ = build_case(name)
+        mask = np.asarray(reference.focus_hard_mask(mem, window=kw["window"], segment_ids=kw["segment_ids"]))
+        t = mask.shape[-1]
+        causal = np.tril(np.ones((t, t), bool))
+        band = causal & ~np.tril(np.ones((t, t), bool), -kw["window"] - 1)
+        assert (mask != causal[None]).any(), name
+        assert (mask & ~band[None]).any(), name
+    # empty groups really are empty, and T = 130 really has unequal group sizes
+    *_, mem, _, _ = build_case("empty_groups_unequal_k1_T130_K3")
+    sizes = np.asarray(mem).sum(axis=(0, 1))
+    assert np.all(sizes[[1, 2, 5]] == 0), sizes
+    used = sizes[[0, 3, 4]]
+    assert used.min() > 0 and used.max() - used.min() > 10, sizes
+
+
+def test_topk_equal_to_K_is_dense_causal():
+    b, t, h, hk, d, n_groups = 2, 77, 4, 2, 8, 4
+    q, k, v = rand_qkv(5, b, t, h, hk, d)
+    mem = jnp.ones((b, t, n_groups), bool)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(sparse(q, k, v, mem, window=5, impl="decomposed", block_size=16), want, what="decomposed")
+    assert_close(sparse(q, k, v, mem, window=5, impl="reference"), want, what="reference")
+    # and with temperature: dense attention at the folded scale
+    want_t = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=1 / (0.4 * np.sqrt(d)))
+    assert_close(sparse(q, k, v, mem, window=5, temperature=0.4, impl="decomposed", block_size=16), want_t)
+
+
+def test_window_covering_sequence_is_dense_causal_for_any_membership():
+    b, t, h, d = 1, 40, 2, 8
+    q, k, v = rand_qkv(6, b, t, h, h, d)
+    mem = jnp.asarray(make_membership(7, b, t, 4, 1))
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(sparse(q, k, v, mem, window=t - 1, impl="decomposed", block_size=16), want)
+
+
+def test_disjoint_groups_window0_is_group_causal_attention():
+    """k = 1, window 0: each token attends causally within its group only (an independent jax.nn mask)."""
+    b, t, h, d = 2, 45, 2, 8
+    q, k, v = rand_qkv(8, b, t, h, h, d)
+    mem_np = make_membership(9, b, t, 3, 1)
+    group = mem_np.argmax(-1)
+    mask = jnp.asarray(group[:, :, None] == group[:, None, :])[:, None]
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    assert_close(sparse(q, k, v, jnp.asarray(mem_np), window=0, impl="decomposed", block_size=16), want)
+
+
+GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array"]
+
+
+@pytest.mark.parametrize("name", GRAD_CASES)
+def test_decomposed_gradients_equal_reference(name):
+    q, k, v, mem, kw, block = build_case(name, seed=10)
+    temperature = kw.pop("temperature")
+    if not isinstance(temperature, jax.Array):
+        temperature = jnp.full(q.shape[:3], 0.8)
+    cot = jax.random.normal(jax.random.key(11), q.shape[:3] + v.shape[-1:])
+
+    def loss(fn, q, k, v, temperature):
+        return jnp.sum(fn(q, k, v, mem, temperature=temperature, **kw) * cot)
+
+    dec = functools.partial(focus_sparse_attention, impl="decomposed", block_size=block)
+    grads_dec = jax.jit(jax.grad(functools.partial(loss, dec), argnums=(0, 1, 2, 3)))(q, k, v, temperature)
+    grads_ref = jax.jit(jax.grad(functools.partial(loss, reference.focus_hard_attention), argnums=(0, 1, 2, 3)))(
+        q, k, v, temperature)
+    for which, gd, gr in zip(("q", "k", "v", "temperature"), grads_dec, grads_ref):
+        assert gd.shape == gr.shape
+        assert float(jnp.max(jnp.abs(gr))) > 1e-3, which      # the reference gradient is not trivially zero
+        assert_close(gd, gr, atol=1e-4, what=f"d/d{which}")
+
+
+def test_decomposed_memory_is_blockwise():
+    """No intermediate of the decomposed path (forward or backward) is as large as a [T, T] score matrix."""
+    b, t, h, d, n_groups, block = 1, 512, 1, 8, 4, 32
+    q, k, v = rand_qkv(12, b, t, h, h, d)
+    mem = jnp.asarray(make_membership(13, b, t, n_groups, 1))
+
+    def loss(q, k, v, impl):
+        return jnp.sum(focus_sparse_attention(q, k, v, mem, window=16, impl=impl, block_size=block))
+
+    def largest_intermediate(fn):
+        jaxpr = jax.make_jaxpr(fn)(q, k, v).jaxpr
+        sizes = []
+
+        def walk(jx):
+            for eqn in jx.eqns:
+                for var in eqn.outvars:
+                    shape = getattr(var.aval, "shape", ())
+                    sizes.append(int(np.prod(shape)) if shape else 1)
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    walk(sub)
+
+        walk(jaxpr)
+        return max(sizes)
+
+    limit = t * t // 4
+    for fn in (lambda q, k, v: loss(q, k, v, "decomposed"),
+               jax.grad(lambda q, k, v: loss(q, k, v, "decomposed"), argnums=(0, 1, 2))):
+        assert largest_intermediate(fn) < limit
+    # the dense reference does hold a [T, T] matrix, so the measure can fail
+    assert largest_intermediate(lambda q, k, v: loss(q, k, v, "reference")) >= t * t
+
+
+def test_pallas_impl_is_reserved():
+    q, k, v = rand_qkv(14, 1, 8, 2, 2, 4)
+    mem = jnp.ones((1, 8, 2), bool)
+    with pytest.raises(NotImplementedError):
+        focus_sparse_attention(q, k, v, mem, window=2, impl="pallas")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# membership and mask
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_groups,k", [(1, 1), (5, 1), (5, 2), (5, 5), (40, 7)])
+def test_topk_membership(n_groups, k):
+    g = jax.random.normal(jax.random.key(15), (2, 33, n_groups))
+    mem = np.asarray(topk_membership(g, k))
+    assert mem.dtype == bool and mem.shape == g.shape
+    assert np.all(mem.sum(-1) == k)
+    gn = np.asarray(g)
+    np.testing.assert_array_equal(mem, topk_numpy(gn, k))
+    smallest_in = np.where(mem, gn, np.inf).min(-1)
+    largest_out = np.where(mem, -np.inf, gn).max(-1)
+    assert np.all(smallest_in > largest_out)
+    if k == 1:
+        np.testing.assert_array_equal(mem.argmax(-1), gn.argmax(-1))
+
+
+def test_topk_membership_on_sinkhorn_like_rows():
+    g = jax.nn.softmax(5 * jax.random.normal(jax.random.key(16), (1, 20, 4)), -1)
+    mem = np.asarray(topk_membership(g, 1))
+    np.testing.assert_array_equal(np.nonzero(mem)[-1], np.asarray(g).argmax(-1).ravel())
+
+
+@pytest.mark.parametrize("window", [0, 3, 100])
+@pytest.mark.parametrize("segmented", [False, True])
+def test_focus_mask_equals_reference(window, segmented):
+    b, t, n_groups = 2, 37, 5
+    mem = jnp.asarray(make_membership(17, b, t, n_groups, 0, arbitrary=True))
+    seg = jnp.asarray(packed_segments(b, t, 18)) if segmented else None
+    got = focus_mask(mem, window=window, segment_ids=seg)
+    assert got.dtype == jnp.bool_ and got.shape == (b, t, t)
+    want = reference.focus_hard_mask(mem, window=window, segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # spot check one pair by the definition, independently of both
+    mem_np, i, j = np.asarray(mem), 30, 2
+    same_seg = True if seg is None else bool(np.asarray(seg)[0, i] == np.asarray(seg)[0, j])
+    expected = same_seg and (i - j <= window or bool((mem_np[0, i] & mem_np[0, j]).any()))
+    assert bool(got[0, i, j]) == expected
+    assert not bool(jnp.any(got & ~jnp.tril(jnp.ones((t, t), bool))[None]))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# property test over random shapes
+# ------------------------------------------------------------------------------------------------------------
+
+@st.composite
+def hard_cases(draw):
+    b = draw(st.integers(1, 2))
+    t = draw(st.integers(1, 70))
+    hk = draw(st.sampled_from([1, 2]))
+    h = hk * draw(st.sampled_from([1, 2]))
+    d = draw(st.sampled_from([4, 8]))
+    n_groups = draw(st.integers(1, 6))
+    k = draw(st.integers(1, n_groups))
+    window = draw(st.integers(0, t + 2))
+    block = draw(st.sampled_from([8, 16, 32]))
+    segmented = draw(st.booleans()) and t >= 3
+    seed = draw(st.integers(0, 2**16))
+    return b, t, h, hk, d, n_groups, k, window, block, segmented, seed
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, database=None)
+@given(hard_cases())
+def test_property_decomposed_equals_reference(case):
+    b, t, h, hk, d, n_groups, k, window, block, segmented, seed = case
+    q, kk, v = rand_qkv(seed, b, t, h, hk, d)
+    mem = jnp.asarray(make_membership(seed + 1, b, t, n_groups, k))
+    seg = jnp.asarray(packed_segments(b, t, seed + 2)) if segmented else None
+    got = sparse(q, kk, v, mem, window=window, segment_ids=seg, impl="decomposed", block_size=block)
+    want = naive(q, kk, v, mem, window=window, segment_ids=seg)
+    assert_close(got, want, what=str(case))
