@@ -150,3 +150,10 @@ def test_focus_errors():
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="decomposed", block_size=0), "block_size", 0)
     check_raises(lambda: focus_mask(MEM, window=-3), "window", -3)
     check_raises(lambda: focus_mask(MEM[0], window=1), "membership")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_sink(bad):
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, sink=bad), "sink", bad)
+    check_raises(lambda: focus_mask(MEM, window=2, sink=bad), "sink", bad)
+    check_raises(lambda: focus_attention(Q, KK, V, G, window=2, sink=bad), "sink", bad)

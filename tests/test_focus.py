@@ -38,6 +38,7 @@ CASES = {
     "plain": dict(),
     "gqa_temp_array_segments": dict(hk=2, temp_array=True, segmented=True),
     "scalar_temp_scale_lam": dict(temperature=0.4, scale=0.5, lam=3.0),
+    "sink_segments": dict(sink=3, segmented=True),
 }
 
 
@@ -53,7 +54,7 @@ def test_soft_equals_reference(gate, case):
     else:
         temperature = cfg.get("temperature", 1.0)
     kw = dict(window=5, gate=gate, lam=cfg.get("lam", 10.0), temperature=temperature, scale=cfg.get("scale"),
-              segment_ids=SEG if cfg.get("segmented") else None)
+              segment_ids=SEG if cfg.get("segmented") else None, sink=cfg.get("sink", 0))
     got = focus_attention(q, k, v, g, **kw)
     want = reference.focus_soft_attention(q, k, v, g, **kw)
     assert got.shape == q.shape

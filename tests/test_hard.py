@@ -18,8 +18,8 @@ from focal_jax.attention import reference
 ATOL = 1e-5
 
 # One compiled function per (shapes, window, impl, block_size); temperature/scale are traced when they are arrays.
-sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "impl", "block_size"))
-naive = jax.jit(reference.focus_hard_attention, static_argnames=("window",))
+sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "sink", "impl", "block_size"))
+naive = jax.jit(reference.focus_hard_attention, static_argnames=("window", "sink"))
 
 
 def assert_close(x, y, atol=ATOL, what=""):
@@ -93,6 +93,8 @@ CONFIGS = {
     "arbitrary_membership_segments_gqa_temperature_array": (2, 90, 4, 2, 8, 5, 0, 7, 16,
                                                             dict(arbitrary=True, segments=True, temp_array=True)),
     "default_block_T150": (1, 150, 2, 2, 8, 4, 1, 10, None, {}),
+    "sink_segments_k1": (2, 77, 2, 2, 8, 4, 1, 8, 16, dict(sink=3, segments=True)),
+    "sink_beyond_window_k2": (1, 130, 2, 2, 8, 5, 2, 4, 32, dict(sink=20)),
 }
 
 
@@ -106,7 +108,8 @@ def build_case(name, seed=0):
         temperature = jax.random.uniform(jax.random.key(seed + 3), (b, t, h), minval=0.3, maxval=1.5)
     else:
         temperature = extra.get("temperature", 1.0)
-    kw = dict(window=window, temperature=temperature, scale=extra.get("scale"), segment_ids=seg)
+    kw = dict(window=window, temperature=temperature, scale=extra.get("scale"), segment_ids=seg,
+              sink=extra.get("sink", 0))
     return q, k, v, jnp.asarray(mem), kw, block
 
 
@@ -171,7 +174,7 @@ def test_disjoint_groups_window0_is_group_causal_attention():
     assert_close(sparse(q, k, v, jnp.asarray(mem_np), window=0, impl="decomposed", block_size=16), want)
 
 
-GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array"]
+GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array", "sink_beyond_window_k2"]
 
 
 @pytest.mark.parametrize("name", GRAD_CASES)
@@ -307,3 +310,23 @@ def test_property_decomposed_equals_reference(case):
     got = sparse(q, kk, v, mem, window=window, segment_ids=seg, impl="decomposed", block_size=block)
     want = naive(q, kk, v, mem, window=window, segment_ids=seg)
     assert_close(got, want, what=str(case))
+
+
+def test_sink_keys_are_visible_to_every_query():
+    """With a sink, the mask gains exactly the causal pairs with the first `sink` keys (independent numpy mask)."""
+    b, t, n_groups, window, sink = 1, 50, 4, 3, 2
+    mem = jnp.asarray(make_membership(12, b, t, n_groups, 1))
+    without = np.asarray(focus_mask(mem, window=window))
+    with_sink = np.asarray(focus_mask(mem, window=window, sink=sink))
+    i, j = np.meshgrid(np.arange(t), np.arange(t), indexing="ij")
+    np.testing.assert_array_equal(with_sink, without | ((j < sink) & (j <= i))[None])
+    assert (with_sink != without).any()
+
+
+def test_decomposed_bf16_follows_float32_reference():
+    q, k, v, mem, kw, block = build_case("k2_T130_K5_block32")
+    want = naive(q, k, v, mem, **kw)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = sparse(*bf16, mem, impl="decomposed", block_size=block, **kw)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, want, atol=2e-2, what="bf16 decomposed")

@@ -6,7 +6,7 @@ The allowed pairs of `focus_mask` (j <= i, same segment, and local or sharing a 
      membership becomes an *entry*; entries are sorted by (group, position), so the keys a query entry needs are the
      entries of its group before it: a contiguous run of key blocks ending at its own block.
   B. cross-group local pairs (`0 <= i - j <= window`, no shared group): a band of `block + window` keys per query
-     block.
+     block; with an attention sink, also the cross-group pairs with the first `sink` keys outside the window.
 
 Both are computed blockwise with an online softmax and merged per query token by log-sum-exp, so memory grows as
 O(T * block) and the result equals the dense masked reference. Gradients come from a hand-written flash-style
@@ -88,17 +88,23 @@ class Tile(NamedTuple):
     mask: jax.Array         # [bq, bk] bool
 
 
-def _band_tile(routing, block_index, t, window, block):
-    """Set B for query tokens [block_index * block, + block): keys from `window` tokens before the block to its
-    end; allowed if local, same segment and sharing no group."""
-    span = block + min(window, t - 1)
+def _band_tile(routing, block_index, t, window, sink, block):
+    """Set B for query tokens [block_index * block, + block): the keys from `window` tokens before the block to its
+    end, allowed if local, same segment and sharing no group; plus the first `sink` keys, allowed where they are not
+    local (so no pair is counted twice), same segment and sharing no group."""
+    reach = min(window, t - 1)
+    n_sink = min(sink, t)
     query_token = block_index * block + jnp.arange(block)
-    key_token = block_index * block - min(window, t - 1) + jnp.arange(span)
+    band_token = block_index * block - reach + jnp.arange(block + reach)
+    key_token = jnp.concatenate([jnp.arange(n_sink), band_token])
+    in_band = jnp.arange(n_sink + block + reach) >= n_sink
     query_token = jnp.where(query_token < t, query_token, t)
     key_token = jnp.where((key_token >= 0) & (key_token < t), key_token, t)
     distance = query_token[:, None] - key_token[None, :]
+    is_local = (distance >= 0) & (distance <= window)
     shared = jnp.any((routing.words[query_token][:, None] & routing.words[key_token][None]) != 0, axis=-1)
-    mask = ((query_token[:, None] < t) & (key_token[None, :] < t) & (distance >= 0) & (distance <= window)
+    mask = ((query_token[:, None] < t) & (key_token[None, :] < t)
+            & jnp.where(in_band[None, :], is_local, distance > window)
             & (routing.segment[query_token][:, None] == routing.segment[key_token][None, :]) & ~shared)
     return Tile(query_token, key_token, mask)
 
@@ -177,7 +183,7 @@ def _merge_into_tokens(totals, tokens, state):
     return m_tok, l_tok, acc_tok
 
 
-def _forward(q, k, v, routing, window, block):
+def _forward(q, k, v, routing, window, sink, block):
     """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` -> out `[T, Hk, G, Dv]`, lse
     `[T, Hk, G]`, all float32."""
     t, hk, g, _ = q.shape
@@ -186,7 +192,7 @@ def _forward(q, k, v, routing, window, block):
     totals = (jnp.full((t + 1, hk, g), -jnp.inf), jnp.zeros((t + 1, hk, g)), jnp.zeros((t + 1, hk, g, dv)))
 
     def band_block(block_index, totals):
-        tile = _band_tile(routing, block_index, t, window, block)
+        tile = _band_tile(routing, block_index, t, window, sink, block)
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
         s = _scores(q[tile.query_token], k[tile.key_token], tile.mask)
         state = _online_update(empty, s, v[tile.key_token])
@@ -238,7 +244,7 @@ def _tile_grads(query, k_block, v_block, mask):
     return dq, dk, dv
 
 
-def _backward(q, k, v, routing, out, lse, d_out, window, block):
+def _backward(q, k, v, routing, out, lse, d_out, window, sink, block):
     t = q.shape[0]
     delta = jnp.sum(d_out * out, axis=-1)
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
@@ -253,7 +259,7 @@ def _backward(q, k, v, routing, out, lse, d_out, window, block):
 
     def band_block(block_index, grads):
         dq, dk, dv = grads
-        tile = _band_tile(routing, block_index, t, window, block)
+        tile = _band_tile(routing, block_index, t, window, sink, block)
         query = gather_queries(tile.query_token)
         dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, jnp.zeros_like(query.q), dk, dv)
         return dq.at[tile.query_token].add(dq_block), dk, dv
@@ -280,19 +286,19 @@ def _backward(q, k, v, routing, out, lse, d_out, window, block):
     return dq[:t], dk[:t], dv[:t]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _sequence_attention(q, k, v, routing, window, block):
-    return _forward(q, k, v, routing, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _sequence_attention(q, k, v, routing, window, sink, block):
+    return _forward(q, k, v, routing, window, sink, block)[0]
 
 
-def _sequence_attention_fwd(q, k, v, routing, window, block):
-    out, lse = _forward(q, k, v, routing, window, block)
+def _sequence_attention_fwd(q, k, v, routing, window, sink, block):
+    out, lse = _forward(q, k, v, routing, window, sink, block)
     return out, (q, k, v, routing, out, lse)
 
 
-def _sequence_attention_bwd(window, block, residuals, d_out):
+def _sequence_attention_bwd(window, sink, block, residuals, d_out):
     q, k, v, routing, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, window, block)
+    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, window, sink, block)
     zero_routing = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), routing)
     return dq, dk, dv, zero_routing
 
@@ -300,14 +306,15 @@ def _sequence_attention_bwd(window, block, residuals, d_out):
 _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
 
 
-def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, block_size=128):
+def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, block_size=128):
     """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).
 
     Args:
       q: `[B, T, H, D]`; k: `[B, T, Hk, D]`; v: `[B, T, Hk, Dv]`.
       membership: bool `[B, T, K]`.
       multiplier: scale / temperature, a scalar or `[B, T, H]`.
-      window: int >= 0. segment_ids: int `[B, T]` or None. block_size: tile size.
+      window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` keys are always visible.
+      block_size: tile size.
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -323,7 +330,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size))(membership, segment_ids)
 
     def one_sequence(args):
-        return _sequence_attention(*args, window, block_size)
+        return _sequence_attention(*args, window, sink, block_size)
 
     out = jax.lax.map(one_sequence, (scaled_q, k.astype(jnp.float32), v.astype(jnp.float32), routing))
     return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)

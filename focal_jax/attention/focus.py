@@ -55,10 +55,16 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
     return projected @ centroids.T / tau
 
 
-def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids):
+def _check_sink(sink):
+    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or sink < 0:
+        raise ValueError(f"sink must be an integer >= 0 (the first `sink` keys are always visible), got sink={sink!r}")
+
+
+def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):
     b, t, _, _ = _validate.check_qkv(q, k, v)
     _validate.check_self_attention(q, k)
     _validate.check_window(window, allow_none=False)
+    _check_sink(sink)
     if groups_like.ndim != 3 or groups_like.shape[:2] != (b, t):
         raise ValueError(f"{name} must have shape [batch, seq, K] = [{b}, {t}, K], got shape {groups_like.shape}")
     if groups_like.shape[2] < 1:
@@ -67,18 +73,19 @@ def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids):
     return b, t
 
 
-def _visible(b, t, window, segment_ids):
-    """Causal (and same-segment) pairs, and the local ones among them: two bool `[B, T, T]`."""
+def _visible(b, t, window, segment_ids, sink):
+    """Causal (and same-segment) pairs, and among them those always visible (local or a sink key): two bool
+    `[B, T, T]`."""
     pos = jnp.arange(t)
     causal = jnp.broadcast_to(causal_mask(pos, pos), (b, t, t))
     if segment_ids is not None:
         causal = causal & segment_mask(segment_ids, segment_ids)
-    local = causal & local_mask(pos, pos, window)
-    return causal, local
+    always = causal & (local_mask(pos, pos, window) | (pos < sink)[None, :])
+    return causal, always
 
 
 def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
-                    segment_ids=None):
+                    segment_ids=None, sink=0):
     """Focus soft-gated attention, the training form (dense, O(T^2)).
 
     Logits `l_ij = q_i.k_j * scale / temperature` (the Focal temperature applies first); affinity
@@ -92,6 +99,8 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       g: `[B, T, K]` soft group assignments (rows of `sinkhorn`), shared by all heads.
       window: local window w >= 0 (paper: 128). lam: gate steepness (not given by the paper; default 10).
       temperature, scale, segment_ids: as in `focal_attention`.
+      sink: the first `sink` keys are ungated for every query, like local ones (an attention sink; off by
+        default, not in the paper).
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -103,7 +112,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       >>> focus_attention(q, k, v, g, window=2).shape
       (1, 8, 2, 4)
     """
-    b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids)
+    b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
     _validate.check_choice("gate", gate, GATES)
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     logits = attention_logits(q, k, multiplier)
@@ -112,8 +121,8 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
         gated = logits * jax.nn.sigmoid(lam * affinity)
     else:
         gated = logits + jax.nn.log_sigmoid(lam * (affinity - 0.5))
-    causal, local = _visible(b, t, window, segment_ids)
-    logits = jnp.where(local[:, None, None], logits, gated)
+    causal, ungated = _visible(b, t, window, segment_ids, sink)
+    logits = jnp.where(ungated[:, None, None], logits, gated)
     return attend(logits, v, causal)
 
 
@@ -142,13 +151,14 @@ def topk_membership(g, k):
     return jnp.any(jax.nn.one_hot(top, n_groups, dtype=jnp.int32) > 0, axis=-2)
 
 
-def focus_mask(membership, *, window, segment_ids=None):
+def focus_mask(membership, *, window, segment_ids=None, sink=0):
     """The hard Focus mask: query i sees key j iff `j <= i`, same segment, and (`i - j <= window` or they share a
-    group).
+    group or `j < sink`).
 
     Args:
       membership: bool `[B, T, K]` (e.g. from `topk_membership`). window: int >= 0.
       segment_ids: optional int `[B, T]`.
+      sink: the first `sink` keys are visible to every (later, same-segment) query; default 0 (off).
 
     Returns:
       bool `[B, T, T]`.
@@ -162,21 +172,23 @@ def focus_mask(membership, *, window, segment_ids=None):
     if membership.ndim != 3:
         raise ValueError(f"membership must have shape [batch, seq, K], got shape {membership.shape}")
     _validate.check_window(window, allow_none=False)
+    _check_sink(sink)
     b, t, _ = membership.shape
     _validate.check_segment_ids(segment_ids, b, t)
-    causal, local = _visible(b, t, window, segment_ids)
+    causal, always = _visible(b, t, window, segment_ids, sink)
     membership = membership.astype(bool)
-    return causal & (local | group_mask(membership, membership))
+    return causal & (always | group_mask(membership, membership))
 
 
 def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
-                           impl="reference", block_size=None):
+                           sink=0, impl="reference", block_size=None):
     """Hard Focus attention at inference: plain (scaled) logits under `focus_mask`, no gate values.
 
     Args:
       q: `[B, T, H, D]`; k, v: `[B, T, Hk, D]` / `[B, T, Hk, Dv]` (Hk divides H).
       membership: bool `[B, T, K]`, the groups of each token (`topk_membership(g, k)`); any number per token.
       window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
+      sink: the first `sink` keys are visible to every query (see `focus_mask`); default 0 (off).
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
         O(T * block) memory, differentiable), or `'pallas'` (the fused kernel; not available yet).
@@ -194,7 +206,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       >>> bool(jnp.abs(a - b).max() < 1e-5)
       True
     """
-    b, t = _check_focus_inputs(q, k, v, membership, "membership", window, segment_ids)
+    b, t = _check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
     _validate.check_choice("impl", impl, IMPLS)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
@@ -206,6 +218,6 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
             "impl='pallas' is reserved for the fused Pallas kernel (kernels issue); use impl='decomposed'")
     if impl == "decomposed":
         return decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
-                                    segment_ids=segment_ids, block_size=block_size or 128)
-    mask = focus_mask(membership, window=window, segment_ids=segment_ids)
+                                    segment_ids=segment_ids, sink=sink, block_size=block_size or 128)
+    mask = focus_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
     return attend(attention_logits(q, k, multiplier), v, mask)

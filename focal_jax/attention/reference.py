@@ -223,12 +223,12 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False):
 # ----------------------------------------------------------------------------------------------------------------
 
 def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
-                         segment_ids=None):
+                         segment_ids=None, sink=0):
     """Focus training form: gated logits, then causal (+segment) softmax.
 
     logits = q.k * scale / temperature; affinity `a_ij = g_i . g_j`; local pairs (`0 <= i - j <= window`)
     ungated; distant causal pairs gated: 'paper' `logit * sigmoid(lam * a)` (Eq. 2 literally),
-    'log' `logit + log(sigmoid(lam * (a - 1/2)))`.
+    'log' `logit + log(sigmoid(lam * (a - 1/2)))`. Keys j < sink are ungated like local ones.
 
     q `[B, T, H, D]`, k/v `[B, T, Hk, D/Dv]`, g `[B, T, K]` -> `[B, T, H, Dv]` float32.
     """
@@ -237,7 +237,7 @@ def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temp
     gf = jnp.asarray(g, jnp.float32)
     affinity = jnp.einsum("bik,bjk->bij", gf, gf, precision=jax.lax.Precision.HIGHEST)[:, None]
     i, j = _pair_positions(t)
-    local = (i - j >= 0) & (i - j <= window)                        # [T, T]
+    local = ((i - j >= 0) & (i - j <= window)) | (j < sink)        # [T, T]
     if gate == "paper":
         gated = logits * jax.nn.sigmoid(lam * affinity)
     elif gate == "log":
@@ -249,8 +249,9 @@ def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temp
     return _masked_softmax_attend(final, mask, v, h)
 
 
-def focus_hard_mask(membership, *, window, segment_ids=None):
-    """bool `[B, T, T]`: `j <= i` and same segment and (`0 <= i - j <= window` or i and j share a group).
+def focus_hard_mask(membership, *, window, segment_ids=None, sink=0):
+    """bool `[B, T, T]`: `j <= i` and same segment and (`0 <= i - j <= window` or i and j share a group or
+    `j < sink`).
 
     membership: bool `[B, T, K]`.
     """
@@ -260,15 +261,16 @@ def focus_hard_mask(membership, *, window, segment_ids=None):
     i, j = _pair_positions(t)
     causal = j <= i
     local = (i - j >= 0) & (i - j <= window)
-    return causal[None] & _same_segment(segment_ids, b, t) & (local[None] | share)
+    return causal[None] & _same_segment(segment_ids, b, t) & (local[None] | share | (j < sink)[None])
 
 
-def focus_hard_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None):
+def focus_hard_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
+                         sink=0):
     """Focus inference form: plain logits `q.k * scale / temperature` under `focus_hard_mask`, softmax, `@ v`.
 
     q `[B, T, H, D]`, k/v `[B, T, Hk, D/Dv]`, membership bool `[B, T, K]` -> `[B, T, H, Dv]` float32.
     """
     h = q.shape[2]
     logits = _raw_logits(q, k, scale, temperature)
-    mask = focus_hard_mask(membership, window=window, segment_ids=segment_ids)
+    mask = focus_hard_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
     return _masked_softmax_attend(logits, mask, v, h)
