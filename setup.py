@@ -29,7 +29,7 @@ setup(
             "transformers>=4.50",
             "safetensors>=0.4",
         ],
-        "gpu": ["jax[cuda12]>=0.10.2,<0.12", "jax-triton>=0.3"],
+        "gpu": ["jax[cuda]>=0.10.2,<0.12", "jax-triton>=0.3"],
         "notebooks": ["jupyter", "ipykernel"],
     },
 )

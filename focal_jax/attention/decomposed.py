@@ -9,8 +9,8 @@ The allowed pairs of `focus_mask` (j <= i, same segment, and local or sharing a 
      block; with an attention sink, also the cross-group pairs with the first `sink` keys outside the window.
 
 Both are computed blockwise with an online softmax and merged per query token by log-sum-exp, so memory grows as
-O(T * block) and the result equals the dense masked reference. Gradients come from a hand-written flash-style
-backward pass (`jax.custom_vjp`) that recomputes the blocks.
+O(T * block) (plus O(T * K) integers for the sort) and the result equals the dense masked reference. Gradients come
+from a hand-written flash-style backward pass (`jax.custom_vjp`) that recomputes the blocks.
 
 Internally each token array gets one extra dummy row (index T): padding entries point at it, so gathers never go
 out of bounds and whatever is scattered to it is dropped.

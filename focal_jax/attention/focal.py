@@ -12,36 +12,39 @@ from focal_jax.attention.masks import attention_mask
 from focal_jax.attention.segments import segment_prefix, segment_total
 
 
-def attention_logits(q, k, multiplier):
-    """Logits `q.k * multiplier` in float32, shaped `[B, Hk, G, T, S]` (G = query heads per kv head).
+def _repeat_kv_heads(x, n_q_heads):
+    """`[B, S, Hk, D]` -> `[B, S, H, D]`: query head h reads kv head h // (H / Hk). (Plain 4-d einsums are about
+    1.6x faster on CPU than grouped 5-d ones, and the copy is small next to the `[T, S]` logits.)"""
+    return jnp.repeat(x, n_q_heads // x.shape[2], axis=2)
 
-    `multiplier` is a scalar or `[B, T, H]` (scale / temperature, per query and head).
+
+def attention_logits(q, k, multiplier):
+    """Logits `q.k * multiplier` in float32, shaped `[B, H, T, S]`.
+
+    q `[B, T, H, D]`, k `[B, S, Hk, D]`; `multiplier` is a scalar or `[B, T, H]` (scale / temperature, per query and
+    head).
     """
-    b, t, h, d = q.shape
-    hk = k.shape[2]
-    qg = q.reshape(b, t, hk, h // hk, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("bthd,bshd->bhts", q, _repeat_kv_heads(k, q.shape[2]), preferred_element_type=jnp.float32)
     if jnp.ndim(multiplier) == 0:
         return logits * multiplier
-    per_query = jnp.transpose(multiplier.reshape(b, t, hk, h // hk), (0, 2, 3, 1))
-    return logits * per_query[..., None]
+    return logits * jnp.transpose(multiplier, (0, 2, 1))[..., None]
 
 
 def attend(logits, v, mask):
     """Masked softmax over keys, then the weighted sum of values.
 
-    logits `[B, Hk, G, T, S]` float32, v `[B, S, Hk, Dv]`, mask bool `[B, T, S]` -> `[B, T, Hk*G, Dv]` in v's dtype.
+    logits `[B, H, T, S]` float32, v `[B, S, Hk, Dv]`, mask bool `[B, T, S]` -> `[B, T, H, Dv]` in v's dtype.
     A query with no visible key gets zeros. The normalisation is applied after the value product, on `[T, Dv]`
     rather than `[T, S]`.
     """
-    b, hk, g, t, s = logits.shape
-    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     denom = jnp.sum(weights, axis=-1)
-    out = jnp.einsum("bkgts,bskd->bkgtd", weights, v.astype(jnp.float32))
+    values = _repeat_kv_heads(v, logits.shape[1]).astype(jnp.float32)
+    out = jnp.einsum("bhts,bshd->bhtd", weights, values)
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hk * g, v.shape[-1]).astype(v.dtype)
+    return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
 
 
 def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None):

@@ -116,13 +116,13 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
     _validate.check_choice("gate", gate, GATES)
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     logits = attention_logits(q, k, multiplier)
-    affinity = jnp.einsum("btk,bsk->bts", g.astype(jnp.float32), g.astype(jnp.float32))[:, None, None]
+    affinity = jnp.einsum("btk,bsk->bts", g.astype(jnp.float32), g.astype(jnp.float32))[:, None]
     if gate == "paper":
         gated = logits * jax.nn.sigmoid(lam * affinity)
     else:
         gated = logits + jax.nn.log_sigmoid(lam * (affinity - 0.5))
     causal, ungated = _visible(b, t, window, segment_ids, sink)
-    logits = jnp.where(ungated[:, None, None], logits, gated)
+    logits = jnp.where(ungated[:, None], logits, gated)
     return attend(logits, v, causal)
 
 

@@ -1,0 +1,253 @@
+"""Benchmarks: speed and memory of the attention functions, ratios side by side in one run.
+
+    python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
+                                        [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
+
+``attention``: for each T (B = 1, H = 8, D = 64, float32, this machine's default backend) it times the forward pass
+of dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
+(``impl='decomposed'``, K = 8, w = 128, top-1 membership from ``sinkhorn(routing_scores(h))`` on structured random
+hidden states, so groups are as (im)balanced as Sinkhorn leaves them), plus the routing itself
+(``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed too, as a
+baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
+
+* time: median of ``--repeats`` jitted forward calls after one warm-up call, ``block_until_ready``. The calls of one
+  length are timed round-robin (one call of each per round), so load drift on a shared machine hits all alike;
+  after 3 rounds, rounds stop once they took ``--budget-s`` seconds (stderr says so);
+* speedup: dense time / time;
+* theoretical: 1 / pair fraction, pair fraction = allowed pairs / causal pairs of the hard mask (counted per group,
+  without a [T, T] mask); 1 for dense, Focal and Focus soft, which compute every causal pair;
+* achieved: speedup / theoretical;
+* peak memory: temp + output + argument bytes of the compiled executable's memory analysis.
+
+Everything is compiled before anything runs; a call whose memory estimate exceeds 3/4 of the machine's available
+memory is not run (its row says so), so Focus soft at 8K cannot take a 24 GiB machine down. Progress goes to stderr;
+stdout is a markdown report (command, date, jax version, CPU, table, targets) ready for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import shlex
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+import jax
+
+from focal_jax import _inputs, attention
+
+HEAD_DIM = 64
+MEMORY_FRACTION = 0.75  # of MemAvailable that one call may use
+REFERENCE = "jax.nn.dot_product_attention (xla)"
+BLOCKWISE = "blockwise causal (decomposed, K=1)"
+SOFT = f"Focus soft (K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, gate=paper)"
+ROUTING = "routing (routing_scores + sinkhorn)"
+HEADERS = ["T", "variant", "time (ms)", "speedup vs dense", "theoretical (1/pairs)", "achieved / theoretical",
+           "peak memory (MiB)", "notes"]
+
+
+@dataclasses.dataclass
+class Entry:
+    """One benchmarked call at one length: what to run, and what the table needs."""
+
+    name: str
+    fn: Any  # None: a placeholder row (skipped)
+    args: tuple[Any, ...] = ()
+    pair_fraction: float | None = 1.0  # None: not an attention variant (the routing row)
+    membership: Any = None
+    compiled: Any = None
+    mib: float | None = None
+    seconds: float | None = None
+    note: str = ""
+
+
+def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
+    """The calls to time at one length: dense, the jax.nn baseline, focal, Focus soft, Focus decomposed, routing."""
+    x = _inputs.make_inputs(seq_len, args.heads, HEAD_DIM, seed=args.seed)
+    g = jax.jit(_inputs.route)(x.h, x.w_g, x.centroids)
+    soft = seq_len <= args.skip_soft_above
+    variants = _inputs.attention_variants(g, top_ks=(1,), block_size=args.block_size, soft=soft)
+    variants.insert(1, _inputs.Variant(REFERENCE, functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                                                     implementation="xla")))
+    # One group holding every token: the decomposed machinery computing all causal pairs, i.e. flash-style
+    # blockwise dense attention. Focus decomposed over this row is the speedup that comes from the pairs alone.
+    one_group = jax.numpy.ones(g.shape[:2] + (1,), bool)
+    blockwise = functools.partial(attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed",
+                                  block_size=args.block_size)
+    variants.insert(2, _inputs.Variant(BLOCKWISE, blockwise, (one_group,)))
+    entries = []
+    for variant in variants:
+        entry = Entry(variant.name, variant.fn, (x.q, x.k, x.v, *variant.extra), membership=variant.membership)
+        if variant.membership is not None:
+            allowed, causal = _inputs.count_focus_pairs(variant.membership, _inputs.WINDOW)
+            entry.pair_fraction = allowed / causal
+            entry.note = f"pair fraction {entry.pair_fraction:.3f}, group sizes {_group_sizes(variant.membership)}"
+        entries.append(entry)
+    if not soft:
+        entries.insert(3, Entry(SOFT, None, note=f"skipped: T > --skip-soft-above={args.skip_soft_above}"))
+    entries.append(Entry(ROUTING, _inputs.route, (x.h, x.w_g, x.centroids), pair_fraction=None))
+    return entries
+
+
+def _compile(entry: Entry, memory_limit: float | None) -> None:
+    """Compiles an entry and reads its memory estimate; leaves it uncompiled (not run) if over the limit."""
+    compiled = _inputs.compile_jit(entry.fn, *entry.args)
+    entry.mib = _inputs.memory_mib(compiled)
+    if memory_limit is not None and entry.mib is not None and entry.mib > memory_limit:
+        entry.note = f"not run: needs ~{entry.mib / 1024:.1f} GiB, limit {memory_limit / 1024:.1f} GiB"
+    else:
+        entry.compiled = compiled
+
+
+def bench_length(seq_len: int, args: argparse.Namespace) -> tuple[list[list[str]], dict[str, float | None]]:
+    """All rows of the attention benchmark at one length, and the numbers the targets need.
+
+    Every entry is compiled first, then all are warmed up and timed round-robin (``_inputs.interleaved_times``).
+    """
+    available = _inputs.available_memory_mib()
+    memory_limit = None if available is None else MEMORY_FRACTION * available
+    entries = _entries(seq_len, args)
+    for entry in entries:
+        if entry.fn is not None:
+            start = time.perf_counter()
+            _compile(entry, memory_limit)
+            _log(f"  T={seq_len} compiled {entry.name} in {time.perf_counter() - start:.1f} s, "
+                 f"~{_fmt_mib(entry.mib)} MiB{'' if entry.compiled else ': ' + entry.note}")
+    runnable = [e for e in entries if e.compiled is not None]
+    _log(f"  T={seq_len} timing {len(runnable)} calls round-robin, after one warm-up each")
+    times = _inputs.interleaved_times([(e.compiled, e.args) for e in runnable], repeats=args.repeats,
+                                      budget_s=args.budget_s, progress=lambda m: _log(f"  T={seq_len} {m}"))
+    for entry, entry_times in zip(runnable, times):
+        entry.seconds = statistics.median(entry_times)
+    if runnable and len(times[0]) < args.repeats:
+        _log(f"  T={seq_len}: {len(times[0])} rounds instead of {args.repeats} (--budget-s {args.budget_s:g})")
+    numbers = {_key(e): e.seconds for e in entries}
+    numbers["theoretical"] = next((1 / e.pair_fraction for e in entries if e.membership is not None), None)
+    return _rows(seq_len, entries), numbers
+
+
+def _key(entry: Entry) -> str:
+    """Short name of an entry for the targets: dense, jax.nn.dot_product_attention, focal, Focus, decomposed,
+    routing."""
+    if entry.membership is not None:
+        return "decomposed"
+    return {ROUTING: "routing", BLOCKWISE: "blockwise"}.get(entry.name, entry.name.split(" ")[0])
+
+
+def _rows(seq_len: int, entries: list[Entry]) -> list[list[str]]:
+    """Table rows: time, speedup vs dense, theoretical speedup (1 / pair fraction), achieved fraction of it, memory,
+    note; the routing row gives its share of dense attention time instead of ratios."""
+    dense = entries[0].seconds
+    rows = []
+    for e in entries:
+        if e.pair_fraction is None:
+            share = "" if not (e.seconds and dense) else f"{100 * e.seconds / dense:.2f}% of dense attention time"
+            rows.append([str(seq_len), e.name, _fmt_ms(e.seconds), "-", "-", "-", _fmt_mib(e.mib), share])
+            continue
+        theoretical = 1.0 / e.pair_fraction
+        speedup = None if not (e.seconds and dense) else dense / e.seconds
+        rows.append([str(seq_len), e.name, _fmt_ms(e.seconds), _fmt_ratio(speedup), f"{theoretical:.2f}",
+                     _fmt_ratio(None if speedup is None else speedup / theoretical), _fmt_mib(e.mib), e.note])
+    return rows
+
+
+def target_lines(results: dict[int, dict[str, float | None]]) -> list[str]:
+    """The issue's targets for this 2-core CPU, checked against the measured numbers (where measured)."""
+    ratio = lambda a, b: None if not (a and b) else a / b
+    lines = []
+    for seq_len, n in results.items():
+        focal = ratio(n.get("focal"), n.get("dense"))
+        if focal is not None:
+            lines.append(f"- T={seq_len}: focal time / dense time = {focal:.3f} (target <= 1.03)")
+    if 8192 in results:
+        n = results[8192]
+        speedup = ratio(n.get("dense"), n.get("decomposed"))
+        if speedup is not None:
+            lines.append(f"- T=8192: decomposed speedup over dense {speedup:.2f}x = {speedup / n['theoretical']:.2f} "
+                         f"of the theoretical {n['theoretical']:.2f}x (target >= 0.6)")
+        for name, key in ((REFERENCE, "jax.nn.dot_product_attention"), (BLOCKWISE, "blockwise")):
+            baseline = ratio(n.get(key), n.get("decomposed"))
+            if baseline is not None:
+                lines.append(f"- T=8192: decomposed speedup over {name} {baseline:.2f}x = "
+                             f"{baseline / n['theoretical']:.2f} of the theoretical")
+    if 4096 in results:
+        n = results[4096]
+        for name in ("dense", "decomposed"):
+            share = ratio(n.get("routing"), n.get(name))
+            if share is not None:
+                lines.append(f"- T=4096: routing = {100 * share:.2f}% of {name} attention time (target < 5%)")
+    return lines
+
+
+def _log(message: str) -> None:
+    """Progress goes to stderr, so stdout stays a clean markdown report."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:,.1f}"
+
+
+def _fmt_mib(mib: float | None) -> str:
+    return "n/a" if mib is None else f"{mib:,.0f}"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _group_sizes(membership: Any) -> str:
+    """Smallest..largest number of tokens per group: how balanced Sinkhorn left the groups."""
+    sizes = jax.numpy.sum(membership, axis=(0, 1))
+    return f"{int(sizes.min())}..{int(sizes.max())}"
+
+
+def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``attention`` subcommand: prints the header and one markdown table covering every length."""
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## attention (B=1, H={args.heads}, D={HEAD_DIM}, float32, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
+          f"top-1, repeats={args.repeats}, block_size={args.block_size or 'library default'})\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    rows, results = [], {}
+    for seq_len in args.lengths:
+        _log(f"T={seq_len} ...")
+        length_rows, results[seq_len] = bench_length(seq_len, args)
+        rows += length_rows
+    print(_inputs.markdown_table(HEADERS, rows))
+    targets = target_lines(results)
+    if targets:
+        print("\nTargets (issue 2, section 4):\n" + "\n".join(targets))
+    print("\nForward only, jitted, median after one warm-up, timed round-robin. The machine is shared and noisy: "
+          "compare ratios within one run, not absolute times across runs.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per benchmark (``attention``; room for more)."""
+    parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
+    attn.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="sequence lengths T")
+    attn.add_argument("--repeats", type=int, default=7, help="timing rounds (median), after one warm-up")
+    attn.add_argument("--budget-s", type=float, default=240.0,
+                      help="per length: stop after 3 rounds once the timed rounds took this many seconds")
+    attn.add_argument("--block-size", type=int, default=None, help="block size of impl='decomposed' (default: its own)")
+    attn.add_argument("--skip-soft-above", type=int, default=8192,
+                      help="run Focus soft (dense O(T^2) with the gate) only for T <= this")
+    attn.add_argument("--heads", type=int, default=8, help="attention heads (head_dim 64)")
+    attn.add_argument("--seed", type=int, default=0)
+    attn.set_defaults(run=run_attention)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    return args.run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

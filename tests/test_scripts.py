@@ -1,0 +1,37 @@
+"""The demo and the benchmark run end to end at a small size, and the benchmark's pair count is right."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from focal_jax import _inputs, bench, demo
+from focal_jax.attention import focus_mask, topk_membership
+
+
+def test_demo_writes_table_and_png(tmp_path, capsys):
+    assert demo.main(["--lengths", "256", "--heads", "2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("dense", "focal (t=0.4)", "Focus soft", "Focus hard k=1", "Focus hard k=2"):
+        assert row in printed
+    png = (tmp_path / "attention_maps.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_bench_prints_every_variant(capsys):
+    assert bench.main(["attention", "--lengths", "256", "--repeats", "1", "--heads", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
+    names = [row.split("|")[2].strip() for row in rows]
+    assert names == ["dense", bench.REFERENCE, bench.BLOCKWISE, "focal (t=0.4)", bench.SOFT,
+                     "Focus hard k=1 (decomposed)", bench.ROUTING]
+    assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
+
+
+@pytest.mark.parametrize("k,window", [(1, 0), (1, 5), (2, 3), (4, 7), (2, 100)])
+def test_count_focus_pairs_equals_the_mask(k, window):
+    scores = jax.random.normal(jax.random.key(k + window), (2, 60, 4))
+    membership = topk_membership(scores, k)
+    allowed, causal = _inputs.count_focus_pairs(membership, window)
+    assert allowed == int(jnp.sum(focus_mask(membership, window=window)))
+    assert causal == 2 * 60 * 61 // 2
+    assert np.isclose(allowed / causal, 1.0) == (k == 4 or window >= 59)
