@@ -11,25 +11,8 @@ import pytest
 from focal_jax.attention import dot_product_attention, focal_attention, learned_temperature
 from focal_jax.attention import reference
 
-ATOL = 1e-5
+from helpers import assert_close, rand_qkv
 
-
-def rand_qkv(seed, b=2, t=40, h=4, hk=None, d=8, dv=None):
-    hk = h if hk is None else hk
-    dv = d if dv is None else dv
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
-    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
-    v = jax.random.normal(kv, (b, t, hk, dv), jnp.float32)
-    return q, k, v
-
-
-def assert_close(x, y, atol=ATOL):
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y, np.float32)
-    assert x.shape == y.shape, (x.shape, y.shape)
-    err = float(np.max(np.abs(x - y)))
-    assert err < atol, f"max abs err {err:.3g} >= {atol:.1g}"
 
 
 def segment_mask(segment_ids):

@@ -9,22 +9,7 @@ from jax.test_util import check_grads
 from focal_jax.attention import focus_attention, routing_scores, sinkhorn
 from focal_jax.attention import reference
 
-
-def assert_close(x, y, atol=1e-5):
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y, np.float32)
-    assert x.shape == y.shape, (x.shape, y.shape)
-    err = float(np.max(np.abs(x - y)))
-    assert err < atol, f"max abs err {err:.3g} >= {atol:.1g}"
-
-
-def rand_qkv(seed, b=2, t=40, h=4, hk=None, d=8):
-    hk = h if hk is None else hk
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
-    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
-    v = jax.random.normal(kv, (b, t, hk, d), jnp.float32)
-    return q, k, v
+from helpers import assert_close, rand_qkv
 
 
 def rand_g(seed, b=2, t=40, k=4, sharpness=3.0):

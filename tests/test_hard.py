@@ -15,27 +15,12 @@ from hypothesis import given, settings, strategies as st
 from focal_jax.attention import focus_mask, focus_sparse_attention, topk_membership
 from focal_jax.attention import reference
 
-ATOL = 1e-5
+from helpers import assert_close, rand_qkv
+
 
 # One compiled function per (shapes, window, impl, block_size); temperature/scale are traced when they are arrays.
 sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "sink", "impl", "block_size"))
 naive = jax.jit(reference.focus_hard_attention, static_argnames=("window", "sink"))
-
-
-def assert_close(x, y, atol=ATOL, what=""):
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y, np.float32)
-    assert x.shape == y.shape, (what, x.shape, y.shape)
-    err = float(np.max(np.abs(x - y))) if x.size else 0.0
-    assert err < atol, f"{what}: max abs err {err:.3g} >= {atol:.1g}"
-
-
-def rand_qkv(seed, b, t, h, hk, d):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
-    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
-    v = jax.random.normal(kv, (b, t, hk, d), jnp.float32)
-    return q, k, v
 
 
 def topk_numpy(scores, k):

@@ -8,13 +8,7 @@ import pytest
 from focal_jax.attention import routing_scores, sinkhorn
 from focal_jax.attention import reference
 
-
-def assert_close(x, y, atol=1e-5):
-    x = np.asarray(x, np.float32)
-    y = np.asarray(y, np.float32)
-    assert x.shape == y.shape, (x.shape, y.shape)
-    err = float(np.max(np.abs(x - y))) if x.size else 0.0
-    assert err < atol, f"max abs err {err:.3g} >= {atol:.1g}"
+from helpers import assert_close
 
 
 def rand_router(seed, b=2, t=256, d=32, d_g=16, k=8):

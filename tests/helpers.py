@@ -1,0 +1,25 @@
+"""Shared test helpers: random attention inputs and a max-abs-error comparison."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rand_qkv(seed, b=2, t=40, h=4, hk=None, d=8, dv=None):
+    """Standard-normal float32 q `[b, t, h, d]`, k `[b, t, hk, d]`, v `[b, t, hk, dv]` (hk, dv default to h, d)."""
+    hk = h if hk is None else hk
+    dv = d if dv is None else dv
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32)
+    k = jax.random.normal(kk, (b, t, hk, d), jnp.float32)
+    v = jax.random.normal(kv, (b, t, hk, dv), jnp.float32)
+    return q, k, v
+
+
+def assert_close(x, y, atol=1e-5, what=""):
+    """Same shape and max |x - y| < atol (compared in float32)."""
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y, np.float32)
+    assert x.shape == y.shape, (what, x.shape, y.shape)
+    err = float(np.max(np.abs(x - y))) if x.size else 0.0
+    assert err < atol, f"{what}: max abs err {err:.3g} >= {atol:.1g}"
