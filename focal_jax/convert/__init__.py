@@ -1,0 +1,1 @@
+"""Hugging Face import and export: `from focal_jax.convert.hf import from_hf, to_hf`."""

@@ -1,0 +1,217 @@
+"""Hugging Face import and export: `from_hf(directory)` builds a focal_jax model from config.json +
+*.safetensors; `to_hf(model, directory)` writes a LLaMA-family model back for `transformers`.
+
+No network and never pickle: tensors are read with the `safetensors` package (numpy framework). Each supported
+`model_type` is one entry of `LOADERS` (a function `(hf_config, tensors, dtype) -> model`); add an architecture by
+adding an entry. RoPE: Hugging Face stores q and k projections for the "rotate_half" layout, which is the layout of
+`focal_jax.nn.layers.rope`, so no permutation is applied (the parity tests against transformers check this).
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from focal_jax.convert.gpt2 import build_gpt2
+from focal_jax.convert.safetensors_io import read_safetensors
+from focal_jax.nn.llama import Llama, LlamaConfig
+
+
+class _Tensors:
+    """Hands out checkpoint tensors by name, checking shapes, and reports any left unused."""
+
+    def __init__(self, tensors, directory):
+        self.tensors, self.directory, self.used = tensors, directory, set()
+
+    def assign(self, variable, name, *, transpose=False, dtype=jnp.float32):
+        expected = tuple(variable.get_value().shape)
+        if name not in self.tensors:
+            raise ValueError(f"checkpoint {self.directory!r} has no tensor {name!r} (expected shape {expected})")
+        array = self.tensors[name]
+        shape = tuple(array.shape[::-1]) if transpose else tuple(array.shape)
+        if shape != expected:
+            want = expected[::-1] if transpose else expected
+            raise ValueError(f"tensor {name!r} in {self.directory!r} has shape {tuple(array.shape)}, expected "
+                             f"{tuple(want)}")
+        self.used.add(name)
+        variable.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
+
+    def check_all_used(self, ignore=()):
+        unused = sorted(n for n in self.tensors if n not in self.used and not any(s in n for s in ignore))
+        if unused:
+            raise ValueError(f"checkpoint {self.directory!r} has tensors the model does not use: {unused[:8]}"
+                             f"{' ...' if len(unused) > 8 else ''}")
+
+
+def _rope_theta(hf):
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def llama_config_from_hf(hf) -> LlamaConfig:
+    """The `LlamaConfig` of a Hugging Face llama / mistral / qwen2 / qwen3 / olmo2 config dict."""
+    model_type = hf["model_type"]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    if model_type in ("llama", "mistral", "olmo2") and hf.get("attention_bias", False):
+        raise ValueError(f"{model_type} with attention_bias=True (a bias on o_proj too) is not supported")
+    if hf.get("mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+        raise ValueError(f"{model_type} with use_sliding_window=True (per-layer windows) is not supported")
+    n_heads = hf["num_attention_heads"]
+    window = hf.get("sliding_window") if model_type == "mistral" else None
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        intermediate=hf["intermediate_size"], n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, rope_theta=_rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2", qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
+        post_norm=model_type == "olmo2", attn={} if window is None else {"window": int(window) - 1})
+
+
+def llama_tensors(model):
+    """`(variable, Hugging Face tensor name, transpose)` for every parameter of a dense `Llama` (HF stores linear
+    weights as `[out, in]`, ours are `[in, out]`)."""
+    config = model.config
+    yield model.embed_tokens.embedding, "model.embed_tokens.weight", False
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            linear = getattr(attn, proj)
+            yield linear.kernel, f"{p}self_attn.{proj}.weight", True
+            if linear.bias is not None:
+                yield linear.bias, f"{p}self_attn.{proj}.bias", False
+        if config.qk_norm is not None:
+            yield attn.q_norm.scale, f"{p}self_attn.q_norm.weight", False
+            yield attn.k_norm.scale, f"{p}self_attn.k_norm.weight", False
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield getattr(layer.mlp, proj).kernel, f"{p}mlp.{proj}.weight", True
+        norms = (("post_attention_layernorm", "post_feedforward_layernorm") if config.post_norm
+                 else ("input_layernorm", "post_attention_layernorm"))
+        for norm in norms:
+            yield getattr(layer, norm).scale, f"{p}{norm}.weight", False
+    yield model.norm.scale, "model.norm.weight", False
+    if not config.tie_embeddings:
+        yield model.lm_head.kernel, "lm_head.weight", True
+
+
+def load_llama(hf, tensors: _Tensors, dtype):
+    """LLaMA, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (per-head QK-norm), OLMo-2 (post-norm, full
+    QK-norm)."""
+    config = llama_config_from_hf(hf)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    for variable, name, transpose in llama_tensors(model):
+        tensors.assign(variable, name, transpose=transpose, dtype=dtype)
+    ignore = ("rotary_emb.inv_freq",)
+    if config.tie_embeddings:
+        ignore += ("lm_head.weight",)  # a tied checkpoint may still store the copy
+    tensors.check_all_used(ignore)
+    return model
+
+
+# model_type -> loader(hf_config dict, _Tensors, dtype) -> model.
+LOADERS = {
+    "gpt2": lambda hf, tensors, dtype: build_gpt2(hf, tensors.tensors, dtype=dtype, source=tensors.directory),
+    "llama": load_llama,
+    "mistral": load_llama,
+    "qwen2": load_llama,
+    "qwen3": load_llama,
+    "olmo2": load_llama,
+}
+
+
+def from_hf(directory, *, dtype=jnp.float32):
+    """Build a focal_jax model from a Hugging Face model directory (config.json + *.safetensors), no network.
+
+    Args:
+      directory: a directory written by `save_pretrained(..., safe_serialization=True)`.
+      dtype: the parameter dtype (float32 by default; e.g. jnp.bfloat16). Logits are float32 either way.
+
+    Returns:
+      The model (e.g. `focal_jax.nn.llama.Llama`), dense attention; retrofit Focal / Focus afterwards.
+
+    Raises:
+      ValueError naming the model_type when it is not supported, a missing tensor with its expected shape, or a
+      tensor of the wrong shape with both shapes.
+    """
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory!r} has no config.json")
+    with open(config_path) as f:
+        hf = json.load(f)
+    model_type = hf.get("model_type")
+    if model_type not in LOADERS:
+        raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")
+    model = LOADERS[model_type](hf, _Tensors(read_safetensors(directory), directory), dtype)
+    abstract = [path for path, x in nnx.to_flat_state(nnx.state(model)) if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
+    if abstract:
+        raise ValueError(f"parameters not filled from the checkpoint: {abstract[:8]}")
+    return model
+
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                     "olmo2": "Olmo2ForCausalLM"}
+
+
+def _hf_model_type(config: LlamaConfig):
+    """The Hugging Face architecture that has exactly this config's features."""
+    features = (config.qkv_bias, config.qk_norm, config.post_norm)
+    if config.attention.window is not None:
+        if features != (False, None, False):
+            raise ValueError(f"a sliding window is exported only for Mistral (no qkv_bias, no qk_norm, no "
+                             f"post_norm), got qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm!r}, "
+                             f"post_norm={config.post_norm}")
+        return "mistral"
+    for model_type, wanted in (("llama", (False, None, False)), ("qwen2", (True, None, False)),
+                               ("qwen3", (False, "head", False)), ("olmo2", (False, "full", True))):
+        if features == wanted:
+            return model_type
+    raise ValueError(f"no Hugging Face architecture has qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm!r}, "
+                     f"post_norm={config.post_norm}; supported: llama (none), qwen2 (qkv_bias), qwen3 "
+                     f"(qk_norm='head'), olmo2 (qk_norm='full', post_norm)")
+
+
+def to_hf(model, directory):
+    """Write a LLaMA-family `Llama` with dense attention as a Hugging Face directory (config.json +
+    model.safetensors, parameters in their own dtype) that `transformers.AutoModelForCausalLM.from_pretrained`
+    loads. The architecture is llama, mistral (when a sliding window is set), qwen2, qwen3 or olmo2, whichever has
+    the model's features.
+
+    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers).
+    """
+    if not isinstance(model, Llama):
+        raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama models, got {type(model).__name__}")
+    config = model.config
+    if config.attention.kind != "dense":
+        raise ValueError(f"to_hf needs attention kind 'dense' (transformers has no {config.attention.kind!r} "
+                         f"attention), got kind={config.attention.kind!r}")
+    model_type = _hf_model_type(config)
+    tensors = {name: np.asarray(variable[...]).T if transpose else np.asarray(variable[...])
+               for variable, name, transpose in llama_tensors(model)}
+    dtype = str(np.asarray(model.embed_tokens.embedding[...]).dtype)
+    hf = {
+        "model_type": model_type, "architectures": [_HF_ARCHITECTURES[model_type]],
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.intermediate,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.attention.n_kv_heads, "head_dim": config.attention.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": False, "use_sliding_window": False,
+        "sliding_window": None if config.attention.window is None else config.attention.window + 1,
+        "torch_dtype": dtype, "dtype": dtype,
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})

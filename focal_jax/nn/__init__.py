@@ -1,0 +1,1 @@
+"""Flax NNX modules built on `focal_jax.attention`: layers, the pluggable `Attention` module, model families."""

@@ -1,0 +1,217 @@
+"""The `Attention` module: MHA / GQA projections, optional QK-norm and qkv bias, RoPE, and a pluggable kind
+(`dense`, `focal`, `focal_learned`, `focus`, `focal+focus`) and implementation (`xla`, `cudnn`, `decomposed`,
+`pallas`) taken from an `AttentionConfig`. All the math lives in `focal_jax.attention`; this module holds
+parameters and picks the function.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focal_jax import attention as fa
+from focal_jax.nn.layers import RMSNorm, rope
+from focal_jax.nn.variables import Centroid, Temperature
+
+KINDS = ("dense", "focal", "focal_learned", "focus", "focal+focus")
+IMPLS = ("xla", "cudnn", "decomposed", "pallas")
+QK_NORMS = (None, "head", "full")
+GATES = ("paper", "log")
+FOCUS_KINDS = ("focus", "focal+focus")
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+
+
+def _int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Settings of one attention layer; every field is checked at construction.
+
+    kind: 'dense' | 'focal' (constant temperature focal_t) | 'focal_learned' (Temperature params, tau in
+      [tau_min, tau_max], causal prefix mean) | 'focus' (Centroid params; soft gate, or hard top-k when
+      focus_topk is set) | 'focal+focus' (focus with the focal_t temperature applied first).
+    impl: 'xla' (the pure functions; the dense masked reference for hard Focus) | 'cudnn' (dense / focal only,
+      GPU only, bf16 / fp16 inputs) | 'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (not
+      available yet: the kernel is issue 5).
+    qk_norm: None | 'head' (Qwen3: RMSNorm over head_dim, per head) | 'full' (OLMo-2: RMSNorm over all heads'
+      q and k before reshaping).
+    rope_theta: None for no rotary embedding (GPT-2 uses learned positions).
+    window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
+      `0 <= i - j <= window` (Hugging Face's `sliding_window` is window + 1). None = full causal attention.
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: str | None = None
+    norm_eps: float = 1e-6
+    rope_theta: float | None = 10000.0
+    kind: str = "dense"
+    impl: str = "xla"
+    focal_t: float = 0.4
+    tau_min: float = 5.0
+    tau_max: float = 10.0
+    focus_groups: int = 8
+    focus_dim: int = 16
+    focus_window: int = 128
+    focus_tau: float = 0.1
+    focus_iters: int = 10
+    focus_gate: str = "paper"
+    focus_lam: float = 10.0
+    focus_topk: int | None = None
+    focus_causal: bool = False
+    window: int | None = None
+
+    def __post_init__(self):
+        for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "focus_groups", "focus_dim", "focus_iters"):
+            _int(name, getattr(self, name), 1)
+        _int("focus_window", self.focus_window, 0)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
+        for name in ("qkv_bias", "out_bias", "focus_causal"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+        _choice("qk_norm", self.qk_norm, QK_NORMS)
+        _choice("kind", self.kind, KINDS)
+        _choice("impl", self.impl, IMPLS)
+        _choice("focus_gate", self.focus_gate, GATES)
+        for name in ("norm_eps", "focal_t", "focus_tau", "focus_lam"):
+            _positive(name, getattr(self, name))
+        if self.rope_theta is not None:
+            _positive("rope_theta", self.rope_theta)
+            if self.head_dim % 2:
+                raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={self.head_dim}")
+        _positive("tau_min", self.tau_min)
+        if not self.tau_min < self.tau_max:
+            raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
+        if self.window is not None:
+            _int("window", self.window, 0)
+            if self.kind in FOCUS_KINDS:
+                raise ValueError(f"window={self.window} is for the non-Focus kinds; kind={self.kind!r} uses "
+                                 f"focus_window")
+        if self.focus_topk is not None:
+            _int("focus_topk", self.focus_topk, 1)
+            if self.focus_topk > self.focus_groups:
+                raise ValueError(f"focus_topk={self.focus_topk} must be <= focus_groups={self.focus_groups}")
+        if self.impl == "cudnn" and self.kind not in ("dense", "focal"):
+            raise ValueError(f"impl='cudnn' supports kind 'dense' and 'focal', got kind={self.kind!r}")
+        if self.impl == "decomposed" and (self.kind not in FOCUS_KINDS or self.focus_topk is None):
+            raise ValueError(f"impl='decomposed' is the hard Focus path: it needs kind in {FOCUS_KINDS} and "
+                             f"focus_topk set, got kind={self.kind!r}, focus_topk={self.focus_topk!r}")
+
+
+def _normal_rows(key, shape):
+    c = jax.random.normal(key, shape, jnp.float32)
+    return c / jnp.linalg.norm(c, axis=-1, keepdims=True)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention. `x [B, T, d_model]` (the normed attention input), `positions int [B, T]`,
+    optional `segment_ids int [B, T]` (packed documents) -> `[B, T, d_model]`.
+
+    Parameters: `q_proj`, `k_proj`, `v_proj`, `o_proj` (`nnx.Linear`, kernel `[in, out]`); `q_norm`, `k_norm`
+    with QK-norm; `w_tau`, `tau_bias` (`Temperature`) for 'focal_learned'; `w_g [d_model, focus_dim]`,
+    `centroids [focus_groups, focus_dim]` (`Centroid`) for the Focus kinds.
+    """
+
+    def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        self.config = c = config
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.q_proj = nnx.Linear(c.d_model, q_dim, use_bias=c.qkv_bias, rngs=rngs)
+        self.k_proj = nnx.Linear(c.d_model, kv_dim, use_bias=c.qkv_bias, rngs=rngs)
+        self.v_proj = nnx.Linear(c.d_model, kv_dim, use_bias=c.qkv_bias, rngs=rngs)
+        self.o_proj = nnx.Linear(q_dim, c.d_model, use_bias=c.out_bias, rngs=rngs)
+        if c.qk_norm == "head":
+            self.q_norm = RMSNorm(c.head_dim, eps=c.norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, eps=c.norm_eps)
+        elif c.qk_norm == "full":
+            self.q_norm = RMSNorm(q_dim, eps=c.norm_eps)
+            self.k_norm = RMSNorm(kv_dim, eps=c.norm_eps)
+        if c.kind == "focal_learned":
+            self.w_tau = Temperature(jnp.zeros((c.d_model,), jnp.float32))
+            self.tau_bias = Temperature(jnp.asarray((c.tau_min + c.tau_max) / 2, jnp.float32))
+        if c.kind in FOCUS_KINDS:
+            self.w_g = Centroid(0.02 * jax.random.normal(rngs.params(), (c.d_model, c.focus_dim), jnp.float32))
+            self.centroids = Centroid(_normal_rows(rngs.params(), (c.focus_groups, c.focus_dim)))
+
+    def __call__(self, x, *, positions, segment_ids=None):
+        c = self.config
+        if x.ndim != 3 or x.shape[-1] != c.d_model:
+            raise ValueError(f"x must have shape [batch, seq, d_model={c.d_model}], got shape {x.shape}")
+        b, t, _ = x.shape
+        if tuple(positions.shape) != (b, t):
+            raise ValueError(f"positions must have shape [batch, seq] = {(b, t)}, got shape {positions.shape}")
+        if c.impl == "pallas":
+            raise NotImplementedError("impl='pallas' needs the fused Pallas kernel (issue 5, not available yet); "
+                                      "use impl='xla' or 'decomposed'")
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(b, t, c.n_heads, c.head_dim)
+        k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+        v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.rope_theta is not None:
+            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        out = self._attend(x, q, k, v, segment_ids)
+        return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim))
+
+    def _attend(self, x, q, k, v, segment_ids):
+        c = self.config
+        if c.kind == "dense" or c.kind == "focal":
+            temperature = 1.0 if c.kind == "dense" else c.focal_t
+            if c.impl == "cudnn":
+                return _cudnn_attention(q, k, v, temperature, c.window, segment_ids)
+            return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids)
+        if c.kind == "focal_learned":
+            tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode="prefix",
+                                         bias=self.tau_bias[...], segment_ids=segment_ids)
+            return fa.focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], window=c.window,
+                                      segment_ids=segment_ids)
+        # Focus: route on the attention input, balanced by Sinkhorn, then soft gate or hard top-k mask.
+        temperature = c.focal_t if c.kind == "focal+focus" else 1.0
+        scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
+        g = fa.sinkhorn(scores, n_iters=c.focus_iters, segment_ids=segment_ids, causal=c.focus_causal)
+        if c.focus_topk is None:
+            return fa.focus_attention(q, k, v, g, window=c.focus_window, gate=c.focus_gate, lam=c.focus_lam,
+                                      temperature=temperature, segment_ids=segment_ids)
+        membership = fa.topk_membership(g, c.focus_topk)
+        return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
+                                         segment_ids=segment_ids,
+                                         impl="decomposed" if c.impl == "decomposed" else "reference")
+
+
+def _cudnn_attention(q, k, v, temperature, window, segment_ids):
+    """Causal (segment-masked) attention through cuDNN's fused kernel: GPU only, bf16 / fp16 inputs."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"impl='cudnn' needs a GPU backend, but jax runs on {jax.default_backend()!r}; "
+                         f"use impl='xla'")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"impl='cudnn' needs bfloat16 or float16 activations, got {q.dtype}; use impl='xla' "
+                         f"for float32")
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    scale = 1.0 / (q.shape[-1] ** 0.5 * temperature)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                        local_window_size=None if window is None else (window, 0),
+                                        implementation="cudnn")

@@ -1,0 +1,72 @@
+"""Building blocks of the LLaMA-family decoder: RMSNorm, rotary embeddings (pure functions), SwiGLU MLP."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """`x / sqrt(mean(x^2) + eps) * scale` over the last axis, computed in float32 (as OLMo-2 / Qwen3 / LLaMA in
+    Hugging Face), returned in x's dtype. `scale [dim]` starts at ones."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, rngs: nnx.Rngs | None = None):
+        del rngs  # deterministic init; the argument keeps the usual module signature
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+    def __call__(self, x):
+        if x.shape[-1] != self.scale.shape[0]:
+            raise ValueError(f"RMSNorm expects last axis {self.scale.shape[0]}, got x of shape {x.shape}")
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(positions, head_dim: int, theta: float):
+    """cos, sin `[B, T, head_dim]` (float32) in the Hugging Face "rotate_half" layout: frequency i of
+    `1 / theta^(2i / head_dim)` sits at both i and i + head_dim / 2."""
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={head_dim}")
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x):
+    """`[x1, x2] -> [-x2, x1]` on the last axis (halves, not interleaved pairs)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope(x, positions, theta: float = 10000.0):
+    """Rotary position embedding of `x [B, T, H, D]` at integer `positions [B, T]`, Hugging Face layout:
+    `x * cos + rotate_half(x) * sin` (the layout HF LLaMA / Mistral / Qwen / OLMo checkpoints store q and k in,
+    so their weights load without a permutation). Computed in float32, returned in x's dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones((1, 3, 2, 4))
+      >>> bool(jnp.allclose(rope(x, jnp.zeros((1, 3), int)), x))
+      True
+    """
+    if x.ndim != 4:
+        raise ValueError(f"x must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
+    if tuple(positions.shape) != x.shape[:2]:
+        raise ValueError(f"positions must have shape [batch, seq] = {x.shape[:2]}, got shape {positions.shape}")
+    cos, sin = rope_frequencies(positions, x.shape[-1], theta)
+    x32 = x.astype(jnp.float32)
+    out = x32 * cos[:, :, None] + rotate_half(x32) * sin[:, :, None]
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))`, no biases (LLaMA / Mistral / Qwen / OLMo-2)."""
+
+    def __init__(self, d_model: int, intermediate: int, *, rngs: nnx.Rngs):
+        self.gate_proj = nnx.Linear(d_model, intermediate, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(d_model, intermediate, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(intermediate, d_model, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))

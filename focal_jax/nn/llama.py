@@ -1,0 +1,175 @@
+"""The LLaMA-family decoder (LLaMA, Mistral, Qwen2, Qwen3, OLMo-2 by config) and the Focal paper's model sizes.
+
+Pre-norm blocks `h = x + attn(norm(x)); h = h + mlp(norm(h))`, or OLMo-2's post-norm
+`h = x + norm(attn(x)); h = h + norm(mlp(h))`; RMSNorm, SwiGLU, RoPE; attention kind and implementation from
+`LlamaConfig.attn` (any `AttentionConfig` field except the shape ones). Parameter names follow Hugging Face
+(`embed_tokens`, `layers[i].self_attn.q_proj`, `input_layernorm`, `mlp.gate_proj`, `norm`, `lm_head`).
+"""
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.layers import RMSNorm, SwiGLU
+
+_DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
+            "rope_theta")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """LLaMA-family model settings.
+
+    n_kv_heads: None = n_heads (MHA). head_dim: None = d_model // n_heads.
+    qk_norm: None | 'head' (Qwen3, the Focal paper) | 'full' (OLMo-2). post_norm: OLMo-2's norm placement.
+    attn: extra `AttentionConfig` fields, e.g. `{'kind': 'focal', 'focal_t': 0.4}` (the shape fields are derived
+      from this config and may not be given). Kept as a sorted tuple of (key, value) pairs.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    intermediate: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: str | None = None
+    post_norm: bool = False
+    attn: Mapping[str, Any] | tuple = ()
+
+    def __post_init__(self):
+        # Stored as sorted (key, value) pairs so that the config stays hashable (NNX keeps it as static data).
+        if not isinstance(self.attn, (Mapping, tuple)):
+            raise ValueError(f"attn must be a dict of AttentionConfig fields, got attn={self.attn!r}")
+        object.__setattr__(self, "attn", tuple(sorted(dict(self.attn).items())))
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "intermediate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+        for name in ("tie_embeddings", "post_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"head_dim=None needs n_heads={self.n_heads} to divide d_model={self.d_model}")
+        fields = {f.name for f in dataclasses.fields(AttentionConfig)}
+        for key, _ in self.attn:
+            if key in _DERIVED:
+                raise ValueError(f"attn[{key!r}] is derived from the LlamaConfig fields; set those instead")
+            if key not in fields:
+                raise ValueError(f"attn[{key!r}] is not an AttentionConfig field; choices: "
+                                 f"{sorted(fields - set(_DERIVED))}")
+        _ = self.attention  # builds the AttentionConfig now, so a bad attention field fails here
+
+    @property
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(
+            d_model=self.d_model, n_heads=self.n_heads,
+            n_kv_heads=self.n_heads if self.n_kv_heads is None else self.n_kv_heads,
+            head_dim=self.d_model // self.n_heads if self.head_dim is None else self.head_dim,
+            qkv_bias=self.qkv_bias, out_bias=False, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
+            rope_theta=self.rope_theta, **dict(self.attn))
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.post_norm = config.post_norm
+        eps = config.norm_eps
+        if config.post_norm:
+            self.post_attention_layernorm = RMSNorm(config.d_model, eps=eps)
+            self.post_feedforward_layernorm = RMSNorm(config.d_model, eps=eps)
+        else:
+            self.input_layernorm = RMSNorm(config.d_model, eps=eps)
+            self.post_attention_layernorm = RMSNorm(config.d_model, eps=eps)
+        self.self_attn = Attention(config.attention, rngs=rngs)
+        self.mlp = SwiGLU(config.d_model, config.intermediate, rngs=rngs)
+
+    def __call__(self, x, *, positions, segment_ids=None):
+        if self.post_norm:  # OLMo-2
+            x = x + self.post_attention_layernorm(self.self_attn(x, positions=positions, segment_ids=segment_ids))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions, segment_ids=segment_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def segment_positions(segment_ids):
+    """Positions that restart at 0 at every segment boundary of `segment_ids [B, T]`."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class Llama(nnx.Module):
+    """`model(tokens [B, T], positions=None, segment_ids=None) -> float32 logits [B, T, vocab]`.
+
+    positions default to `0..T-1`, restarting at each segment when `segment_ids` (packed documents) is given.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        if not config.tie_embeddings:
+            self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
+                             f"dtype {tokens.dtype}")
+        if positions is None:
+            positions = (jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if segment_ids is None
+                         else segment_positions(segment_ids))
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, positions=positions, segment_ids=segment_ids)
+        x = self.norm(x).astype(jnp.float32)
+        if self.config.tie_embeddings:
+            w = self.embed_tokens.embedding[...].astype(jnp.float32).T
+        else:
+            w = self.lm_head.kernel[...].astype(jnp.float32)
+        return x @ w
+
+
+# The Focal paper's sizes (FOCAL_SPEC.md, Table 3): hidden, intermediate, heads, layers; vocab 32000, untied,
+# MHA, head_dim 128, per-head QK-norm, no biases, RoPE theta 10K. 'tiny' is for tests and smoke runs.
+FOCAL_SIZES = {
+    "tiny": (64, 172, 4, 2),
+    "400M": (1024, 3072, 8, 24),
+    "777M": (1536, 4096, 12, 24),
+    "1.3B": (2048, 5504, 16, 24),
+    "2.7B": (2560, 6912, 20, 32),
+    "6.7B": (4096, 11008, 32, 32),
+    "9.5B": (4608, 12288, 36, 36),
+}
+
+
+def focal_config(size: str, **overrides) -> LlamaConfig:
+    """The Focal paper's model of `size` (a key of `FOCAL_SIZES`), with any `LlamaConfig` field overridden, e.g.
+    `focal_config('400M', attn={'kind': 'focal', 'focal_t': 0.4})`. 'tiny' uses a 1000-token vocabulary and
+    head_dim 16."""
+    if size not in FOCAL_SIZES:
+        raise ValueError(f"size={size!r} is not one of {tuple(FOCAL_SIZES)}")
+    d, inter, heads, layers = FOCAL_SIZES[size]
+    base = dict(vocab_size=32000 if size != "tiny" else 1000, d_model=d, intermediate=inter, n_heads=heads,
+                n_layers=layers, n_kv_heads=heads, head_dim=d // heads, rope_theta=10000.0, norm_eps=1e-6,
+                tie_embeddings=False, qkv_bias=False, qk_norm="head")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(LlamaConfig)}
+    if unknown:
+        raise ValueError(f"unknown LlamaConfig fields {sorted(unknown)}")
+    return LlamaConfig(**{**base, **overrides})
+
+
+def param_count(config: LlamaConfig, param_type=nnx.Param) -> int:
+    """Number of parameters of type `param_type` in `Llama(config)`, from shapes only (nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, param_type)))

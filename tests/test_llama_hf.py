@@ -1,0 +1,355 @@
+"""LLaMA-family models against Hugging Face transformers (tiny random models built from configs, no download),
+the Attention module's kinds against those logits, config validation, import errors, and the paper's sizes."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from focal_jax.convert.hf import from_hf, to_hf
+from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.layers import rope
+from focal_jax.nn.llama import Llama, LlamaConfig, focal_config, param_count
+from focal_jax.nn.variables import Centroid, Temperature
+
+from helpers import assert_close
+
+VOCAB, T = 100, 16
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+              initializer_range=0.1)
+FAMILIES = {
+    # name: (config class, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_theta=500.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=4)),
+}
+
+
+def make_hf(family, directory, seed=0):
+    """A tiny random HF model saved as safetensors in `directory`; norm gains and biases are perturbed away from
+    their 1 / 0 initialisation so that loading them is tested too."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, (2, T)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("llama"))
+    return directory, make_hf("llama", directory)
+
+
+# ------------------------------------------------------------------------------------------- HF parity
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_from_hf_logits_equal_transformers(family, tokens, tmp_path):
+    hf = make_hf(family, str(tmp_path))
+    model = from_hf(str(tmp_path))
+    expected = hf_logits(hf, tokens)
+    logits = model(jnp.asarray(tokens))
+    assert logits.dtype == jnp.float32
+    assert np.abs(expected).max() > 0.5  # logits are not trivially small
+    assert_close(logits, expected, atol=1e-4, what=family)
+    # The comparison can fail: doubling the relative distances (RoPE) moves the logits far beyond the tolerance.
+    shifted = model(jnp.asarray(tokens), positions=jnp.broadcast_to(2 * jnp.arange(T), tokens.shape))
+    assert np.abs(np.asarray(shifted) - expected).max() > 1e-2
+    # Export: transformers loads what to_hf writes and computes the same logits.
+    to_hf(model, str(tmp_path / "export"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    assert_close(hf_logits(reloaded, tokens), expected, atol=1e-4, what=f"{family} to_hf")
+
+
+def test_config_mapping(llama_dir, tmp_path):
+    model = from_hf(llama_dir[0])
+    c = model.config
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta, c.tie_embeddings) == (4, 2, 16, 500.0, False)
+    assert model.layers[0].self_attn.k_proj.kernel.shape == (64, 32)  # [in, out], GQA
+    mistral = make_hf("mistral", str(tmp_path))
+    model = from_hf(str(tmp_path))
+    assert model.config.attention.window == 4  # HF sliding_window 5: i - j < 5
+    tokens = np.arange(2 * T).reshape(2, T) % VOCAB
+    no_window = with_attention(model)  # the same weights with full causal attention
+    assert np.abs(np.asarray(no_window(jnp.asarray(tokens))) - hf_logits(mistral, tokens)).max() > 1e-3
+
+
+def test_from_hf_bfloat16(llama_dir, tokens):
+    model = from_hf(llama_dir[0], dtype=jnp.bfloat16)
+    assert model.layers[0].self_attn.q_proj.kernel.dtype == jnp.bfloat16
+    logits = model(jnp.asarray(tokens))
+    assert logits.dtype == jnp.float32
+    assert_close(logits, hf_logits(llama_dir[1], tokens), atol=0.15, what="bf16")
+
+
+def test_bfloat16_checkpoint(tokens, tmp_path):
+    """A checkpoint stored in bfloat16 (as most released ones are) loads; numpy alone cannot read bf16."""
+    hf = make_hf("qwen2", str(tmp_path / "f32"))
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"), safe_serialization=True)
+    model = from_hf(str(tmp_path / "bf16"))
+    assert model.layers[0].self_attn.q_proj.kernel.dtype == jnp.float32
+    # transformers reloads the same bf16 weights in float32 (a fresh float32 rotary table, unlike hf.float()).
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), dtype=torch.float32)
+    assert_close(model(jnp.asarray(tokens)), hf_logits(reference.eval(), tokens), atol=1e-4, what="bf16 checkpoint")
+
+
+def test_packed_segments_equal_separate_documents(llama_dir, tokens):
+    model = from_hf(llama_dir[0])
+    segment_ids = jnp.asarray([[0] * 6 + [1] * 10, [3] * 16], jnp.int32)
+    logits = model(jnp.asarray(tokens), segment_ids=segment_ids)  # positions restart at each document
+    hf = llama_dir[1]
+    assert_close(logits[0, :6], hf_logits(hf, tokens[:1, :6])[0], atol=1e-4, what="doc 0")
+    assert_close(logits[0, 6:], hf_logits(hf, tokens[:1, 6:])[0], atol=1e-4, what="doc 1")
+    assert_close(logits[1], hf_logits(hf, tokens[1:])[0], atol=1e-4, what="row 1")
+
+
+def test_to_hf_paper_model_and_errors(tmp_path, tokens):
+    model = Llama(focal_config("tiny"), rngs=nnx.Rngs(0))  # the Focal paper's architecture: Qwen3-like
+    to_hf(model, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert_close(hf_logits(reloaded, tokens), model(jnp.asarray(tokens)), atol=1e-4, what="paper tiny to_hf")
+    with pytest.raises(ValueError, match=r"kind='focal'"):
+        to_hf(Llama(focal_config("tiny", attn=dict(kind="focal")), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"qkv_bias=True, qk_norm='head'"):
+        to_hf(Llama(focal_config("tiny", qkv_bias=True), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
+
+
+def test_jit_through_split_merge(llama_dir, tokens):
+    graphdef, state = nnx.split(from_hf(llama_dir[0]))
+    forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
+    assert_close(forward(state, jnp.asarray(tokens)), hf_logits(llama_dir[1], tokens), atol=1e-4, what="jit")
+
+
+# ------------------------------------------------------------------------ attention kinds on HF weights
+
+
+def with_attention(model, **attn):
+    """The same weights in a model whose attention has the given `AttentionConfig` fields."""
+    new = Llama(dataclasses.replace(model.config, attn=attn), rngs=nnx.Rngs(1))
+    nnx.update(new, nnx.state(model))  # the new parameters keep their initialisation
+    return new
+
+
+@pytest.mark.parametrize("attn", [
+    dict(kind="focal", focal_t=1.0),
+    dict(kind="focal_learned", tau_min=3.0, tau_max=6.0),  # tau_bias set to sqrt(head_dim) = 4 below
+    dict(kind="focus", focus_window=T, focus_groups=4),  # every causal pair is local: nothing gated
+    dict(kind="focus", focus_window=2, focus_groups=4, focus_topk=4),  # all groups: the causal mask
+    dict(kind="focal+focus", focal_t=1.0, focus_window=2, focus_groups=3, focus_topk=3),
+])
+def test_kinds_reduce_to_dense(attn, llama_dir, tokens):
+    model = with_attention(from_hf(llama_dir[0]), **attn)
+    if attn["kind"] == "focal_learned":
+        for layer in model.layers:
+            layer.self_attn.tau_bias[...] = 4.0
+    assert_close(model(jnp.asarray(tokens)), hf_logits(llama_dir[1], tokens), atol=1e-4, what=str(attn))
+
+
+@pytest.mark.parametrize("attn", [
+    dict(kind="focal", focal_t=0.4),
+    dict(kind="focal_learned"),  # tau starts at 7.5, not sqrt(16) = 4
+    dict(kind="focus", focus_window=2, focus_groups=4),
+    dict(kind="focus", focus_window=2, focus_groups=4, focus_topk=1),
+])
+def test_kinds_change_logits(attn, llama_dir, tokens):
+    model = with_attention(from_hf(llama_dir[0]), **attn)
+    assert np.abs(np.asarray(model(jnp.asarray(tokens))) - hf_logits(llama_dir[1], tokens)).max() > 1e-3
+
+
+def test_hard_focus_impls_agree(llama_dir, tokens):
+    base = from_hf(llama_dir[0])
+    attn = dict(kind="focal+focus", focus_window=3, focus_groups=4, focus_topk=2, focus_causal=True)
+    ref = with_attention(base, **attn)
+    fast = with_attention(base, **attn, impl="decomposed")
+    nnx.update(fast, nnx.state(ref))
+    assert_close(fast(jnp.asarray(tokens)), ref(jnp.asarray(tokens)), atol=1e-4, what="decomposed")
+
+
+def test_new_parameter_types_and_counts():
+    base = focal_config("tiny")
+    focus = focal_config("tiny", attn=dict(kind="focus", focus_groups=4, focus_dim=16))
+    learned = focal_config("tiny", attn=dict(kind="focal_learned"))
+    assert param_count(focus, Centroid) == base.n_layers * (64 * 16 + 4 * 16)
+    assert param_count(focus) == param_count(base) + param_count(focus, Centroid)
+    assert param_count(learned, Temperature) == base.n_layers * (64 + 1)
+    assert param_count(base, Centroid) == param_count(base, Temperature) == 0
+    attention = Attention(focus.attention, rngs=nnx.Rngs(0))
+    assert isinstance(attention.w_g, Centroid) and attention.w_g.shape == (64, 16)
+    np.testing.assert_allclose(np.linalg.norm(attention.centroids[...], axis=-1), 1.0, rtol=1e-5)
+    assert 0.01 < float(jnp.std(attention.w_g[...])) < 0.03
+
+
+# ------------------------------------------------------------------------------------------- layers
+
+
+def test_rope_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, LlamaRotaryEmbedding
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=1000.0)
+    x = np.random.default_rng(1).standard_normal((2, 5, 4, 16)).astype(np.float32)
+    positions = np.array([[0, 1, 2, 3, 4], [9, 3, 100, 7, 0]])
+    xt = torch.as_tensor(x).transpose(1, 2)
+    cos, sin = LlamaRotaryEmbedding(config)(xt, torch.as_tensor(positions))
+    expected, _ = apply_rotary_pos_emb(xt, xt, cos, sin)
+    got = rope(jnp.asarray(x), jnp.asarray(positions), 1000.0)
+    assert_close(got, expected.transpose(1, 2).numpy(), atol=1e-4, what="rope")
+
+
+def test_attention_without_rope_matches_numpy():
+    """The GPT-2 form (no rotary, biases on q/k/v and the output, MHA) against a naive numpy computation."""
+    config = AttentionConfig(d_model=24, n_heads=3, n_kv_heads=3, head_dim=8, qkv_bias=True, out_bias=True,
+                             rope_theta=None)
+    module = Attention(config, rngs=nnx.Rngs(0))
+    for i, proj in enumerate((module.q_proj, module.k_proj, module.v_proj, module.o_proj)):
+        proj.bias[...] = jax.random.normal(jax.random.key(i), proj.bias.shape)
+    x = np.random.default_rng(2).standard_normal((2, 7, 24)).astype(np.float32)
+    w = {n: (np.asarray(getattr(module, n).kernel[...]), np.asarray(getattr(module, n).bias[...]))
+         for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    q, k, v = ((x @ w[n][0] + w[n][1]).reshape(2, 7, 3, 8) for n in ("q_proj", "k_proj", "v_proj"))
+    logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(8) + np.where(np.tri(7, dtype=bool), 0.0, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhts,bshd->bthd", weights, v).reshape(2, 7, 24) @ w["o_proj"][0] + w["o_proj"][1]
+    positions = jnp.zeros((2, 7), jnp.int32)  # ignored without rotary
+    assert_close(module(jnp.asarray(x), positions=positions), out, atol=1e-4, what="no-rope attention")
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+
+def test_missing_tensor_names_it(tmp_path):
+    make_hf("llama", str(tmp_path))
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(64, 96\)"):
+        from_hf(str(tmp_path))
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path):
+    make_hf("qwen2", str(tmp_path))
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.k_proj.bias"] = np.zeros(31, np.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"k_proj\.bias.*\(31,\).*\(32,\)"):
+        from_hf(str(tmp_path))
+
+
+def test_unknown_model_type_names_it(llama_dir, tmp_path):
+    with open(os.path.join(llama_dir[0], "config.json")) as f:
+        config = json.load(f)
+    config["model_type"] = "mamba9"
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"mamba9.*llama.*qwen3"):
+        from_hf(str(tmp_path))
+
+
+def test_no_safetensors_is_an_error(llama_dir, tmp_path):
+    with open(os.path.join(llama_dir[0], "config.json")) as f, open(tmp_path / "config.json", "w") as g:
+        g.write(f.read())
+    with pytest.raises(ValueError, match="safetensors"):
+        from_hf(str(tmp_path))
+
+
+SHAPE = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("kind", "sparse", r"kind='sparse'.*'dense'.*'focal_learned'.*'focal\+focus'"),
+    ("impl", "triton", r"impl='triton'.*'xla'.*'cudnn'.*'decomposed'.*'pallas'"),
+    ("qk_norm", "layer", r"qk_norm='layer'.*None.*'head'.*'full'"),
+    ("focus_gate", "hard", r"focus_gate='hard'.*'paper'.*'log'"),
+    ("n_kv_heads", 3, r"n_kv_heads=3.*n_heads=4"),
+    ("focal_t", 0.0, r"focal_t.*0\.0"),
+    ("tau_max", 5.0, r"tau_min.*tau_max=5\.0"),
+    ("focus_topk", 9, r"focus_topk=9.*focus_groups=8"),
+    ("focus_window", -1, r"focus_window.*-1"),
+    ("head_dim", 7, r"head_dim=7"),
+    ("window", -2, r"window.*-2"),
+])
+def test_attention_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig(**{**SHAPE, field: value})
+
+
+def test_impl_kind_combinations():
+    with pytest.raises(ValueError, match=r"decomposed.*focus_topk"):
+        AttentionConfig(**SHAPE, kind="focus", impl="decomposed")
+    with pytest.raises(ValueError, match=r"cudnn.*focus"):
+        AttentionConfig(**SHAPE, kind="focus", impl="cudnn")
+    with pytest.raises(ValueError, match=r"window=3.*focus_window"):
+        AttentionConfig(**SHAPE, kind="focus", window=3)
+    x, positions = jnp.ones((1, 4, 32)), jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(NotImplementedError, match="issue 5"):
+        Attention(AttentionConfig(**SHAPE, impl="pallas"), rngs=nnx.Rngs(0))(x, positions=positions)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU"):
+            Attention(AttentionConfig(**SHAPE, impl="cudnn"), rngs=nnx.Rngs(0))(x, positions=positions)
+
+
+def test_llama_config_validation():
+    with pytest.raises(ValueError, match=r"kind='nope'.*'dense'"):
+        focal_config("tiny", attn=dict(kind="nope"))
+    with pytest.raises(ValueError, match=r"attn\['windw'\].*focus_window"):
+        focal_config("tiny", attn=dict(windw=3))
+    with pytest.raises(ValueError, match=r"attn\['n_heads'\]"):
+        focal_config("tiny", attn=dict(n_heads=2))
+    with pytest.raises(ValueError, match=r"size='3B'.*400M"):
+        focal_config("3B")
+    with pytest.raises(ValueError, match=r"n_layers.*0"):
+        LlamaConfig(vocab_size=10, d_model=8, n_layers=0, n_heads=2, intermediate=8)
+    assert hash(focal_config("tiny", attn=dict(kind="focal"))) == hash(focal_config("tiny", attn=(("kind", "focal"),)))
+
+
+# -------------------------------------------------------------------------------------- paper sizes
+
+
+# FOCAL_SPEC.md Table 3, "inferred: count" column (vocab 32000, untied, MHA, no bias), in millions.
+SPEC_COUNTS_M = {"400M": 393, "777M": 778, "1.3B": 1345, "2.7B": 2702, "6.7B": 6738, "9.5B": 9468}
+
+
+@pytest.mark.parametrize("size", sorted(SPEC_COUNTS_M))
+def test_paper_sizes(size):
+    config = focal_config(size)
+    assert config.attention.head_dim == 128 and config.qk_norm == "head" and config.vocab_size == 32000
+    count = param_count(config)
+    # per layer 4 d^2 + 3 d * intermediate + 2 d (+ 2 * 128 QK-norm gains), plus 2 V d + d
+    assert round(count / 1e6) == SPEC_COUNTS_M[size], (size, count)
+    named = float(size[:-1]) * (1e6 if size.endswith("M") else 1e9)
+    # Within 3% of the name, except "1.3B": the paper's own configuration has 1.345B parameters (3.5%).
+    assert abs(count - named) / named < (0.036 if size == "1.3B" else 0.03), (size, count)
+
+
+def test_tiny_size_runs():
+    model = Llama(focal_config("tiny", attn=dict(kind="focal")), rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((1, 8), jnp.int32))
+    assert logits.shape == (1, 8, 1000) and bool(jnp.all(jnp.isfinite(logits)))
