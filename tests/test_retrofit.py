@@ -1,0 +1,328 @@
+"""Retrofit invariants (focal_jax.nn.retrofit) on tiny random Hugging Face GPT-2 and LLaMA (GQA) models built from
+configs and saved as safetensors (no download): Focus within the window and hard top-k = K leave the pretrained
+logits unchanged; only the new parameters are added, differentiated and given optimizer state; the paper's
+parameter counts; Focal t = 1 is dense; bad settings are named."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from focal_jax.convert.hf import from_hf
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
+from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.nn.retrofit import FocalConfig, FocusConfig, count_params, retrofit, trainable_filter
+from focal_jax.nn.variables import Centroid, Temperature
+
+VOCAB, D, LAYERS, HEADS = 97, 64, 2, 4
+WINDOW, GROUPS, DIM = 6, 4, 16
+LONG = 24
+
+
+def _save_gpt2(directory):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=D, n_layer=LAYERS, n_head=HEADS,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("attn.c_attn.weight"):  # attention logits of a trained model's size
+                p.mul_(4.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+def _save_llama(directory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS,
+                                      num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=96,
+                                      initializer_range=0.1, rope_theta=500.0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def family(request, tmp_path_factory):
+    """(name, checkpoint directory, torch model)."""
+    directory = str(tmp_path_factory.mktemp(request.param))
+    torch_model = {"gpt2": _save_gpt2, "llama": _save_llama}[request.param](directory)
+    return request.param, directory, torch_model
+
+
+def _tokens(length, seed=0):
+    return np.random.default_rng(seed).integers(0, VOCAB, (2, length)).astype(np.int32)
+
+
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
+def _logits(model, tokens):
+    return np.asarray(_forward(model, jnp.asarray(tokens)))
+
+
+def _torch_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def _attention(model):
+    return [layer.attn for layer in model.h] if isinstance(model, GPT2) else [l.self_attn for l in model.layers]
+
+
+def _model_attention_config(model):
+    return model.config.attention_config() if isinstance(model, GPT2) else model.config.attention
+
+
+def _assert_close(x, y, atol):
+    err = float(np.abs(np.asarray(x) - np.asarray(y)).max())
+    assert err <= atol, f"max abs err {err:.3g} > {atol:.1g}"
+
+
+# ------------------------------------------------------------------------------------------ logits invariants
+
+
+def test_focus_soft_within_window_equals_original(family):
+    """Soft gate: in a sequence of <= window + 1 tokens every pair is local, nothing is gated, the logits are the
+    pretrained model's. Past the window the gate acts and they differ (so the comparison can fail)."""
+    name, directory, torch_model = family
+    original = from_hf(directory)
+    model = retrofit(from_hf(directory), FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW), rngs=1)
+    short = _tokens(WINDOW + 1, seed=1)
+    _assert_close(_logits(model, short), _logits(original, short), atol=1e-6)
+    _assert_close(_logits(model, short), _torch_logits(torch_model, short), atol=1e-4)
+    longer = _tokens(LONG, seed=2)
+    diff = np.abs(_logits(model, longer) - _logits(original, longer))
+    assert diff[:, :WINDOW + 1].max() <= 1e-6  # queries whose keys are all local are untouched
+    assert diff[:, WINDOW + 1:].max() > 1e-3
+
+
+def test_focus_hard_topk_all_groups_equals_original(family):
+    """Hard top-k = K: every pair shares a group, the mask is the causal one, logits are the pretrained model's at
+    any length; top-k = 1 at the same length is sparse and changes them. Switching soft -> hard on a Focus model
+    keeps its centroids."""
+    name, directory, _ = family
+    tokens = _tokens(LONG, seed=3)
+    want = _logits(from_hf(directory), tokens)
+    focus = FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW)
+    model = retrofit(from_hf(directory), focus)
+    centroids = [np.asarray(a.centroids[...]) for a in _attention(model)]
+    model = retrofit(model, dataclasses.replace(focus, topk=GROUPS))
+    assert all(np.array_equal(np.asarray(a.centroids[...]), c) for a, c in zip(_attention(model), centroids))
+    _assert_close(_logits(model, tokens), want, atol=1e-5)
+    sparse = retrofit(from_hf(directory), dataclasses.replace(focus, topk=1))
+    assert np.abs(_logits(sparse, tokens) - want).max() > 1e-3
+
+
+def test_focal_constant(family):
+    """Focal t = 1 is dense attention; t = 0.4 sharpens and changes the logits."""
+    name, directory, _ = family
+    tokens = _tokens(LONG, seed=4)
+    want = _logits(from_hf(directory), tokens)
+    model = retrofit(from_hf(directory), FocalConfig(t=1.0))
+    assert _model_attention_config(model).kind == "focal" and not nnx.state(model, Temperature)
+    _assert_close(_logits(model, tokens), want, atol=1e-6)
+    assert np.abs(_logits(retrofit(from_hf(directory), FocalConfig(t=0.4)), tokens) - want).max() > 1e-2
+
+
+# ------------------------------------------------------------------------------- only new parameters added
+
+
+def _flat(model, filter=nnx.Param):
+    return {path: (type(v), np.asarray(v.get_value())) for path, v in nnx.to_flat_state(nnx.state(model, filter))}
+
+
+def test_retrofit_adds_only_new_parameters_and_keeps_config_consistent(family):
+    name, directory, _ = family
+    model = from_hf(directory)
+    before = _flat(model)
+    model = retrofit(model, FocalConfig(t=0.5))
+    model = retrofit(model, FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW, topk=2, gate="log"))
+    after = _flat(model)
+    assert set(before) < set(after)
+    for path, (kind, value) in before.items():  # the pretrained parameters: same type, same values
+        assert after[path][0] is kind and np.array_equal(after[path][1], value), path
+    added = {path: kind for path, (kind, _) in after.items() if path not in before}
+    assert set(added.values()) == {Centroid} and len(added) == 2 * LAYERS  # w_g and centroids per layer
+    # The model's config describes its layers (Focal then Focus combine into 'focal+focus').
+    config = _model_attention_config(model)
+    assert (config.kind, config.focal_t, config.focus_topk, config.focus_gate) == ("focal+focus", 0.5, 2, "log")
+    assert all(a.config == config for a in _attention(model))
+    # A rebuild from the model's own config has the same structure (what a checkpoint restore relies on).
+    cls = GPT2 if name == "gpt2" else Llama
+    rebuilt = nnx.eval_shape(lambda: cls(model.config, rngs=nnx.Rngs(0)))
+    assert jax.tree.structure(nnx.state(rebuilt)) == jax.tree.structure(nnx.state(model))
+
+
+def test_seed_sets_the_new_parameters(family):
+    _, directory, _ = family
+    focus = FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW)
+    a, b, c = (retrofit(from_hf(directory), focus, rngs=r) for r in (3, nnx.Rngs(params=3), 4))
+    leaves = lambda m: [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, Centroid))]
+    assert all(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(b)))
+    assert not any(np.array_equal(x, y) for x, y in zip(leaves(a), leaves(c)))
+    layers = leaves(a)  # each layer gets its own draw
+    assert not np.array_equal(layers[0], layers[2])
+    half = retrofit(from_hf(directory), focus, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(half, Centroid))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(half, nnx.Not(Centroid)))} == {jnp.dtype(jnp.float32)}
+
+
+def test_focal_learned_adds_temperature(family):
+    _, directory, _ = family
+    model = retrofit(from_hf(directory), FocalConfig(learned=True, tau_min=4.0, tau_max=9.0))
+    config = _model_attention_config(model)
+    assert (config.kind, config.tau_min, config.tau_max) == ("focal_learned", 4.0, 9.0)
+    assert count_params(model, Temperature) == LAYERS * (D + 1)
+    assert count_params(model, trainable_filter("centroids+temperature")) == LAYERS * (D + 1)
+    assert float(_attention(model)[0].tau_bias[...]) == 6.5  # Attention's own init: middle of the range
+    assert np.isfinite(_logits(model, _tokens(LONG))).all()
+
+
+# ----------------------------------------------------------------------------- gradients and optimizer state
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+
+def _grads(model, filter, tokens):
+    """Gradients of the loss w.r.t. the parameters selected by `filter`, in the style of the train step (DESIGN.md):
+    nnx.split by filter -> jax.grad -> jax.jit on pure pytrees, nnx.merge inside the loss."""
+    graphdef, trainable, rest = nnx.split(model, filter, ...)
+    loss = lambda params, rest: _loss(nnx.merge(graphdef, params, rest), tokens)
+    return jax.jit(jax.grad(loss))(trainable, rest)
+
+
+def test_centroid_only_training(family):
+    """Differentiating by type: with the 'centroids' filter only Centroid leaves get (non-zero) gradients; an
+    optimizer built with wrt= that filter holds state for the Centroids alone, and a step (AdamW, weight decay)
+    leaves every other parameter bit-for-bit unchanged. With 'all' (nnx.Param) every parameter gets a gradient."""
+    name, directory, _ = family
+    model = retrofit(from_hf(directory), FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW))
+    tokens = jnp.asarray(_tokens(LONG + 1, seed=5))  # longer than the window: the routing matters
+    n_centroid = count_params(model, Centroid)
+    assert n_centroid == LAYERS * (D * DIM + GROUPS * DIM)
+
+    wrt = trainable_filter("centroids")
+    grads = _grads(model, wrt, tokens)
+    flat = nnx.to_flat_state(grads)
+    assert flat and all(isinstance(v, Centroid) for _, v in flat)
+    assert sum(int(v.get_value().size) for _, v in flat) == n_centroid
+    assert all(np.abs(np.asarray(v.get_value())).max() > 0 for _, v in flat)
+
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=wrt)
+    opt_leaves = jax.tree.leaves(nnx.state(optimizer, nnx.OptState))
+    float_state = sum(int(x.size) for x in opt_leaves if jnp.issubdtype(x.dtype, jnp.floating))
+    assert float_state == 2 * n_centroid  # AdamW's mu and nu for the Centroids only
+    frozen_before, centroids_before = _flat(model, nnx.Not(Centroid)), _flat(model, Centroid)
+    optimizer.update(model, grads)
+    frozen_after, centroids_after = _flat(model, nnx.Not(Centroid)), _flat(model, Centroid)
+    assert all(np.array_equal(frozen_after[p][1], v) for p, (_, v) in frozen_before.items())
+    assert all(not np.array_equal(centroids_after[p][1], v) for p, (_, v) in centroids_before.items())
+
+    all_grads = nnx.to_flat_state(_grads(model, trainable_filter("all"), tokens))
+    assert len(all_grads) == len(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert all(np.abs(np.asarray(v.get_value())).max() > 0 for _, v in all_grads)
+    assert {type(v) for _, v in all_grads} > {Centroid}
+
+
+# ------------------------------------------------------------------------------------------ parameter counts
+
+
+def test_gpt2_124m_focus_count_is_papers():
+    """GPT-2 124M with K = 4, d_g = 16: 12 x (768 x 16 + 4 x 16) = 148,224 Centroid parameters (the Focus paper's
+    count), nothing else added. Abstract models only (nnx.eval_shape: nothing allocated)."""
+    config = GPT2Config()  # Hugging Face gpt2: vocab 50257, 1024 positions, d 768, 12 layers, 12 heads
+    base = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: retrofit(GPT2(config, rngs=nnx.Rngs(0)), FocusConfig(groups=4, dim=16, window=128)))
+    assert count_params(base) == 124_439_808
+    assert count_params(model, trainable_filter("centroids")) == 148_224
+    assert count_params(model) - count_params(base) == 148_224
+    assert count_params(model, Temperature) == 0
+
+
+def test_mistral_7b_like_counts():
+    """d = 4096, 32 layers, K = 2, d_g = 16: 32 x (4096 x 16 + 2 x 16) = 2,098,176 Centroids; learned Focal adds
+    32 x (4096 + 1) Temperatures."""
+    config = LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336)
+    base = count_params(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+    focus = nnx.eval_shape(lambda: retrofit(Llama(config, rngs=nnx.Rngs(0)), FocusConfig(groups=2, dim=16, window=256)))
+    assert count_params(focus, Centroid) == 2_098_176
+    assert count_params(focus) - base == 2_098_176
+    focal = nnx.eval_shape(lambda: retrofit(Llama(config, rngs=nnx.Rngs(0)), FocalConfig(learned=True)))
+    assert count_params(focal, Temperature) == 32 * (4096 + 1)
+    assert count_params(focal) - base == 32 * (4096 + 1)
+
+
+# ---------------------------------------------------------------------------------------------- bad settings
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(groups=0, dim=16, window=8), "groups"),
+    (dict(groups=4, dim=-1, window=8), "dim"),
+    (dict(groups=4, dim=16, window=-1), "window"),
+    (dict(groups=4, dim=16, window=8, tau=0.0), "tau"),
+    (dict(groups=4, dim=16, window=8, iters=0), "iters"),
+    (dict(groups=4, dim=16, window=8, gate="hard"), "gate"),
+    (dict(groups=4, dim=16, window=8, lam=-1.0), "lam"),
+    (dict(groups=4, dim=16, window=8, topk=5), "topk=5"),
+    (dict(groups=4, dim=16, window=8, causal=1), "causal"),
+])
+def test_bad_focus_config_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"FocusConfig: .*\b{field}"):
+        FocusConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(t=0.0), "t=0.0"),
+    (dict(t=None), "t=None"),
+    (dict(t=0.3, learned=True), "t=0.3"),
+    (dict(learned=True, tau_min=10.0, tau_max=5.0), "tau_min"),
+    (dict(learned="yes"), "learned"),
+])
+def test_bad_focal_config_names_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"FocalConfig: .*{field}"):
+        FocalConfig(**kwargs)
+
+
+def test_bad_retrofits_are_named():
+    tiny = GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=1, n_heads=4)
+    gpt2 = lambda **kw: nnx.eval_shape(lambda: GPT2(dataclasses.replace(tiny, **kw), rngs=nnx.Rngs(0)))
+    focus = FocusConfig(groups=4, dim=8, window=4)
+    with pytest.raises(ValueError, match="FocusConfig or FocalConfig"):
+        retrofit(gpt2(), {"groups": 4})
+    with pytest.raises(ValueError, match="kind='focal_learned'"):  # no kind has learned Focal with Focus
+        retrofit(gpt2(kind="focal_learned"), focus)
+    with pytest.raises(ValueError, match="drop"):  # constant Focal would drop the learned Temperatures
+        retrofit(gpt2(kind="focal_learned"), FocalConfig(t=0.4))
+    with pytest.raises(ValueError, match="shape"):  # Focus with other groups than the model's own
+        retrofit(gpt2(kind="focus", focus_groups=2, focus_dim=8), focus)
+    with pytest.raises(ValueError, match="impl='bogus'"):
+        retrofit(gpt2(), focus, impl="bogus")
+    mistral = LlamaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, intermediate=48, attn={"window": 4})
+    with pytest.raises(ValueError, match="window=4"):
+        retrofit(nnx.eval_shape(lambda: Llama(mistral, rngs=nnx.Rngs(0))), focus)
+    with pytest.raises(ValueError, match="Llama and GPT2"):
+        retrofit(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), focus)
+    with pytest.raises(ValueError, match="'everything'"):
+        trainable_filter("everything")
+    model = gpt2()  # a failed retrofit leaves the model as it was
+    with pytest.raises(ValueError):
+        retrofit(model, focus, impl="bogus")
+    assert model.config.kind == "dense" and not nnx.state(model, Centroid)
