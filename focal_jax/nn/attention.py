@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax import attention as fa
+from focal_jax.attention import _validate
+from focal_jax.attention.focal import attend, attention_logits
+from focal_jax.attention.masks import causal_mask, group_mask, local_mask
 from focal_jax.nn.layers import RMSNorm, rope
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -116,6 +119,43 @@ class AttentionConfig:
                              f"focus_topk set, got kind={self.kind!r}, focus_topk={self.focus_topk!r}")
 
 
+def check_decodable(config: AttentionConfig):
+    """Raises ValueError unless a layer of `config` can decode token by token with a KV cache.
+
+    Decodable: 'dense', 'focal', 'focal_learned' (its causal prefix mean is a running sum), and hard Focus
+    ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`).
+    """
+    if config.kind not in FOCUS_KINDS:
+        return
+    if not config.focus_causal:
+        raise ValueError(f"kind={config.kind!r} with focus_causal=False cannot decode with a KV cache: the paper's "
+                         f"Sinkhorn normalises each group's column over the whole sequence, so a token's groups "
+                         f"depend on tokens not generated yet; use focus_causal=True (prefix column sums)")
+    if config.focus_topk is None:
+        raise ValueError(f"kind={config.kind!r} with focus_topk=None (the soft gate) cannot decode with a KV cache: "
+                         f"the soft gate is the training form; set focus_topk for hard top-k inference")
+
+
+def check_cache(cache, n_layers: int, n_tokens: int):
+    """Checks a model-level KV cache `{'index': int scalar, 'layers': n_layers layer caches}` before `n_tokens`
+    more tokens are written to it (the overflow check runs when the index is concrete, i.e. outside jit)."""
+    if not isinstance(cache, dict) or set(cache) != {"index", "layers"}:
+        raise ValueError(f"cache must be a dict with keys 'index' and 'layers' (see focal_jax.nn.generate."
+                         f"init_cache), got {type(cache).__name__}"
+                         f"{' with keys ' + str(sorted(cache)) if isinstance(cache, dict) else ''}")
+    if len(cache["layers"]) != n_layers:
+        raise ValueError(f"cache['layers'] holds {len(cache['layers'])} layer caches, the model has {n_layers} layers")
+    if jnp.ndim(cache["index"]) != 0:
+        raise ValueError(f"cache['index'] must be a scalar, got shape {jnp.shape(cache['index'])}")
+    max_len = cache["layers"][0]["k"].shape[1] if n_layers else None
+    try:
+        index = int(cache["index"])
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return  # under jit: the caller (e.g. generate) sizes the cache
+    if max_len is not None and index + n_tokens > max_len:
+        raise ValueError(f"the cache holds {index} tokens and max_len={max_len} slots: {n_tokens} more do not fit")
+
+
 def _normal_rows(key, shape):
     c = jax.random.normal(key, shape, jnp.float32)
     return c / jnp.linalg.norm(c, axis=-1, keepdims=True)
@@ -152,7 +192,25 @@ class Attention(nnx.Module):
             self.w_g = Centroid(0.02 * jax.random.normal(rngs.params(), (c.d_model, c.focus_dim), jnp.float32))
             self.centroids = Centroid(_normal_rows(rngs.params(), (c.focus_groups, c.focus_dim)))
 
-    def __call__(self, x, *, positions, segment_ids=None):
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
+        """An empty KV cache for this layer (a dict of arrays): `k`, `v` `[B, max_len, Hk, D]` in `dtype`; for
+        'focal_learned' `tau_sum [B]` (running sum of `x . w_tau`); for hard Focus `scores [B, max_len, K]`
+        (float32 routing scores of the cached tokens, from which the causal Sinkhorn and the membership of every
+        cached token are recomputed). Raises ValueError for kinds that cannot decode (`check_decodable`)."""
+        c = self.config
+        check_decodable(c)
+        cache = {"k": jnp.zeros((batch_size, max_len, c.n_kv_heads, c.head_dim), dtype),
+                 "v": jnp.zeros((batch_size, max_len, c.n_kv_heads, c.head_dim), dtype)}
+        if c.kind == "focal_learned":
+            cache["tau_sum"] = jnp.zeros((batch_size,), jnp.float32)
+        if c.kind in FOCUS_KINDS:
+            cache["scores"] = jnp.zeros((batch_size, max_len, c.focus_groups), jnp.float32)
+        return cache
+
+    def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None):
+        """Without `cache`: `[B, T, d_model]`. With `cache` (from `init_cache`) and `cache_index` (int scalar: the
+        number of tokens already cached): the T tokens of x sit at slots `cache_index .. cache_index + T - 1`;
+        returns `(out, new_cache)`."""
         c = self.config
         if x.ndim != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must have shape [batch, seq, d_model={c.d_model}], got shape {x.shape}")
@@ -172,8 +230,58 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope_theta is not None:
             q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        if cache is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")
+            if cache_index is None:
+                raise ValueError("cache_index (the number of cached tokens) is required with cache")
+            out, cache = self._attend_cached(x, q, k, v, cache, cache_index)
+            return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim)), cache
         out = self._attend(x, q, k, v, segment_ids)
         return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim))
+
+    def _attend_cached(self, x, q, k, v, cache, index):
+        """Attention of the T new queries (absolute slots `index + 0..T-1`) over the cache after writing their k, v:
+        the same masks and temperatures as `_attend` (the dense masked reference path whatever the impl)."""
+        c = self.config
+        check_decodable(c)
+        b, t = x.shape[:2]
+        if tuple(cache["k"].shape[:1]) != (b,) or cache["k"].shape[2:] != k.shape[2:]:
+            raise ValueError(f"cache k has shape {cache['k'].shape}, expected [batch={b}, max_len, "
+                             f"{k.shape[2]}, {k.shape[3]}]")
+        max_len = cache["k"].shape[1]
+        if t > max_len:
+            raise ValueError(f"{t} tokens do not fit a cache of max_len={max_len}")
+        index = jnp.asarray(index, jnp.int32)
+        new = dict(cache)
+        new["k"] = k_all = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, index, 0, 0))
+        new["v"] = v_all = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, index, 0, 0))
+        q_pos, k_pos = index + jnp.arange(t), jnp.arange(max_len)
+        mask = causal_mask(q_pos, k_pos)  # [T, S]; slots past the written ones are never visible
+        scale = None
+        temperature = c.focal_t if c.kind in ("focal", "focal+focus") else 1.0
+        if c.kind in ("dense", "focal", "focal_learned") and c.window is not None:
+            mask = mask & local_mask(q_pos, k_pos, c.window)
+        if c.kind == "focal_learned":
+            # Prefix mean of x . w_tau over tokens <= i, from the running sum of the tokens already cached.
+            z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), self.w_tau[...].astype(jnp.float32))
+            sums = cache["tau_sum"][:, None] + jnp.cumsum(z, axis=1)
+            mean = sums / (q_pos + 1).astype(jnp.float32)
+            tau = jnp.clip(mean + self.tau_bias[...], c.tau_min, c.tau_max)
+            new["tau_sum"] = cache["tau_sum"] + jnp.sum(z, axis=1)
+            scale, temperature = 1.0, tau[:, :, None]
+        mask = jnp.broadcast_to(mask, (b, t, max_len))
+        if c.kind in FOCUS_KINDS:
+            # Causal Sinkhorn over every cached token's scores: token i's row depends only on tokens <= i, so the
+            # cached tokens keep the groups they had, and the new rows equal the full-sequence forward's.
+            scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
+            new["scores"] = all_scores = jax.lax.dynamic_update_slice(cache["scores"], scores, (0, index, 0))
+            g = fa.sinkhorn(all_scores, n_iters=c.focus_iters, causal=True)
+            membership = fa.topk_membership(g, c.focus_topk)  # [B, S, K]
+            q_membership = jax.lax.dynamic_slice(membership, (0, index, 0), (b, t, c.focus_groups))
+            mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership))
+        multiplier = _validate.logit_multiplier(q, scale, temperature)
+        return attend(attention_logits(q, k_all, multiplier), v_all, mask), new
 
     def _attend(self, x, q, k, v, segment_ids):
         c = self.config

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 
 ACTIVATIONS = {
     # Hugging Face names -> jax.nn.gelu's `approximate` flag.
@@ -126,9 +126,13 @@ class GPT2Block(nnx.Module):
         self.ln_2 = nnx.LayerNorm(config.d_model, epsilon=config.layer_norm_eps, rngs=rngs)
         self.mlp = GPT2MLP(config, rngs=rngs)
 
-    def __call__(self, x, *, positions, segment_ids=None):
-        x = x + self.attn(self.ln_1(x), positions=positions, segment_ids=segment_ids)
-        return x + self.mlp(self.ln_2(x))
+    def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None):
+        if cache is None:
+            x = x + self.attn(self.ln_1(x), positions=positions, segment_ids=segment_ids)
+            return x + self.mlp(self.ln_2(x))
+        attn, cache = self.attn(self.ln_1(x), positions=positions, cache=cache, cache_index=cache_index)
+        x = x + attn
+        return x + self.mlp(self.ln_2(x)), cache
 
 
 class GPT2(nnx.Module):
@@ -147,12 +151,23 @@ class GPT2(nnx.Module):
         self.h = nnx.List([GPT2Block(config, rngs=rngs) for _ in range(config.n_layers)])
         self.ln_f = nnx.LayerNorm(config.d_model, epsilon=config.layer_norm_eps, rngs=rngs)
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+        """Logits `[B, T, V]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
+        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integers of shape [batch, seq], got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
         b, t = tokens.shape
+        if cache is not None:
+            check_cache(cache, len(self.h), tokens.shape[1])
+            if segment_ids is not None:
+                raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")
+            max_len = cache["layers"][0]["k"].shape[1]
+            if max_len > self.config.n_positions:
+                raise ValueError(f"cache max_len={max_len} exceeds n_positions={self.config.n_positions}")
+            if positions is None:
+                positions = jnp.broadcast_to(cache["index"] + jnp.arange(t, dtype=jnp.int32), (b, t))
         if positions is None:
             if t > self.config.n_positions:
                 raise ValueError(f"sequence length {t} exceeds n_positions={self.config.n_positions}")
@@ -165,8 +180,16 @@ class GPT2(nnx.Module):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
                              f"{jnp.shape(segment_ids)}")
         x = self.wte(tokens) + self.wpe(positions)
-        for block in self.h:
-            x = block(x, positions=positions, segment_ids=segment_ids)
+        layer_caches = []
+        for i, block in enumerate(self.h):
+            if cache is None:
+                x = block(x, positions=positions, segment_ids=segment_ids)
+            else:
+                x, layer_cache = block(x, positions=positions, cache=cache["layers"][i], cache_index=cache["index"])
+                layer_caches.append(layer_cache)
         x = self.ln_f(x)
         embedding = self.wte.embedding[...]
-        return jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embedding.astype(jnp.float32))
+        logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embedding.astype(jnp.float32))
+        if cache is None:
+            return logits
+        return logits, {"index": cache["index"] + t, "layers": tuple(layer_caches)}

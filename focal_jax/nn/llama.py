@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import RMSNorm, SwiGLU
 
 _DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
@@ -91,12 +91,22 @@ class DecoderBlock(nnx.Module):
         self.self_attn = Attention(config.attention, rngs=rngs)
         self.mlp = SwiGLU(config.d_model, config.intermediate, rngs=rngs)
 
-    def __call__(self, x, *, positions, segment_ids=None):
+    def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None):
+        """`[B, T, d]`, or `(out, new_cache)` when a layer `cache` is given (see `Attention`)."""
+        kwargs = {} if cache is None else dict(cache=cache, cache_index=cache_index)
         if self.post_norm:  # OLMo-2
-            x = x + self.post_attention_layernorm(self.self_attn(x, positions=positions, segment_ids=segment_ids))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
-        x = x + self.self_attn(self.input_layernorm(x), positions=positions, segment_ids=segment_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            attn = self.self_attn(x, positions=positions, segment_ids=segment_ids, **kwargs)
+        else:
+            attn = self.self_attn(self.input_layernorm(x), positions=positions, segment_ids=segment_ids, **kwargs)
+        if cache is not None:
+            attn, cache = attn
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(x))
+        else:
+            x = x + attn
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x if cache is None else (x, cache)
 
 
 def segment_positions(segment_ids):
@@ -122,22 +132,38 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+        """Logits `[B, T, vocab]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
+        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given."""
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
-        if positions is None:
+        if cache is not None:
+            check_cache(cache, len(self.layers), tokens.shape[1])
+            if segment_ids is not None:
+                raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")
+            index = cache["index"]
+            if positions is None:
+                positions = jnp.broadcast_to(index + jnp.arange(tokens.shape[1]), tokens.shape)
+        elif positions is None:
             positions = (jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if segment_ids is None
                          else segment_positions(segment_ids))
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, positions=positions, segment_ids=segment_ids)
+        layer_caches = []
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x = layer(x, positions=positions, segment_ids=segment_ids)
+            else:
+                x, layer_cache = layer(x, positions=positions, cache=cache["layers"][i], cache_index=index)
+                layer_caches.append(layer_cache)
         x = self.norm(x).astype(jnp.float32)
         if self.config.tie_embeddings:
             w = self.embed_tokens.embedding[...].astype(jnp.float32).T
         else:
             w = self.lm_head.kernel[...].astype(jnp.float32)
-        return x @ w
+        if cache is None:
+            return x @ w
+        return x @ w, {"index": index + tokens.shape[1], "layers": tuple(layer_caches)}
 
 
 # The Focal paper's sizes (FOCAL_SPEC.md, Table 3): hidden, intermediate, heads, layers; vocab 32000, untied,

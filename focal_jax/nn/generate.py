@@ -1,0 +1,164 @@
+"""Autoregressive generation with a KV cache: prefill the prompt, then decode one token at a time.
+
+The cache is a plain pytree, passed explicitly and returned updated:
+
+  cache = {'index': int32 scalar (tokens cached so far),
+           'layers': (one dict per layer: 'k', 'v' [B, max_len, Hk, D],
+                      'tau_sum' [B] for 'focal_learned' (running sum of x . w_tau: the causal prefix mean),
+                      'scores' [B, max_len, K] for hard Focus (routing scores of the cached tokens), ...)}
+
+  logits, cache = model(tokens, cache=cache)   # tokens [B, T] continue the cached ones (RoPE / learned positions
+                                               # at absolute positions cache['index'] + 0..T-1)
+
+Without `cache` the models return logits only, as before. Decodable attention kinds: 'dense', 'focal', 'focal_learned'
+(prefix mode) and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing
+(`focus_causal=True`). Hard Focus keeps the routing scores of every cached token and re-runs the causal Sinkhorn over
+them at each step (O(max_len * K * iters), small next to attention over the cache): with prefix column sums, token
+i's assignment depends only on tokens <= i, so the cached tokens keep their groups and the new token's equals the
+full-sequence forward's. The new token attends to cached keys that are local or share one of its top-k groups.
+Non-causal Focus (the paper's Sinkhorn sees the future) and soft Focus (the training form) raise ValueError.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from focal_jax.nn.gpt2 import GPT2, GPT2Config
+  >>> model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4), rngs=nnx.Rngs(0))
+  >>> generate(model, jnp.zeros((2, 3), jnp.int32), max_new_tokens=4).shape
+  (2, 7)
+"""
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from focal_jax.nn.gpt2 import GPT2
+from focal_jax.nn.llama import Llama
+
+
+def _attention_layers(model):
+    if isinstance(model, Llama):
+        return [layer.self_attn for layer in model.layers]
+    if isinstance(model, GPT2):
+        return [block.attn for block in model.h]
+    raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
+
+
+def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
+    """An empty KV cache for `model` (`Llama` or `GPT2`) holding up to `max_len` tokens per row.
+
+    dtype: of k and v; None = the dtype of the model's k projection. Raises ValueError when an attention kind cannot
+    decode (non-causal or soft Focus), naming the setting, or when `max_len` exceeds GPT-2's `n_positions`.
+    """
+    layers = _attention_layers(model)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("max_len", max_len, 1)
+    if isinstance(model, GPT2) and max_len > model.config.n_positions:
+        raise ValueError(f"max_len={max_len} exceeds the model's n_positions={model.config.n_positions}")
+    if dtype is None:
+        dtype = layers[0].k_proj.kernel[...].dtype
+    return {"index": jnp.zeros((), jnp.int32),
+            "layers": tuple(attn.init_cache(batch_size, max_len, dtype) for attn in layers)}
+
+
+def _check_sampling(temperature, top_p):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got temperature={temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got top_p={top_p!r}")
+
+
+def sample_logits(logits, rng=None, *, temperature=0.0, top_p=1.0):
+    """One token per row of `logits [..., V]`: argmax when `temperature == 0`, else a sample of
+    `softmax(logits / temperature)` restricted to the nucleus (`top_p`): the most probable tokens whose probabilities,
+    taken in decreasing order, reach `top_p` (the first token always; tokens tied with the last one included).
+
+    Returns int32 `[...]`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+      >>> int(sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.6)) in (0, 1)
+      True
+    """
+    _check_sampling(temperature, top_p)
+    logits = jnp.asarray(logits, jnp.float32)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if rng is None:
+        raise ValueError(f"rng (a jax.random key) is required when sampling (temperature={temperature} > 0)")
+    logits = logits / temperature
+    if top_p < 1:
+        ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability mass of the more probable tokens
+        kept = before < top_p
+        cutoff = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p"))
+def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_p):
+    model = nnx.merge(graphdef, state)
+    b, t0 = prompt.shape
+    total = t0 + max_new_tokens
+    cache = init_cache(model, b, total)
+    logits, cache = model(prompt, cache=cache)
+    keys = jax.random.split(rng, max_new_tokens)
+    first = sample_logits(logits[:, -1], keys[0], temperature=temperature, top_p=top_p)
+    out = jnp.zeros((b, total), jnp.int32).at[:, :t0].set(prompt.astype(jnp.int32)).at[:, t0].set(first)
+
+    def step(i, carry):  # feed token t0 + i - 1, sample token t0 + i
+        out, cache = carry
+        token = jax.lax.dynamic_slice(out, (0, t0 + i - 1), (b, 1))
+        logits, cache = model(token, cache=cache)
+        nxt = sample_logits(logits[:, -1], keys[i], temperature=temperature, top_p=top_p)
+        return jax.lax.dynamic_update_slice(out, nxt[:, None], (0, t0 + i)), cache
+
+    out, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache))
+    return out
+
+
+def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=None):
+    """Continue `prompt [B, T0]` (int tokens) by `max_new_tokens` tokens: `[B, T0 + max_new_tokens]` int32.
+
+    One jitted function (cached per model structure and settings): prefill the prompt into a KV cache of
+    `T0 + max_new_tokens` slots, then a `fori_loop` decodes one token per step.
+
+    Args:
+      model: a focal_jax `Llama` or `GPT2` whose attention kind decodes (see the module docstring).
+      max_new_tokens: integer >= 1.
+      temperature: 0 (default) = greedy argmax; > 0 samples from `softmax(logits / temperature)`.
+      top_p: nucleus sampling, in (0, 1]; 1 = the full distribution (see `sample_logits`).
+      rng: a jax.random key or an integer seed; required when temperature > 0.
+    """
+    _attention_layers(model)
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"prompt must be integer tokens of shape [batch, seq >= 1], got shape {prompt.shape} "
+                         f"dtype {prompt.dtype}")
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    _check_sampling(temperature, top_p)
+    if temperature > 0 and rng is None:
+        raise ValueError(f"rng (a jax.random key or an integer seed) is required when sampling "
+                         f"(temperature={temperature} > 0)")
+    total = prompt.shape[1] + max_new_tokens
+    if isinstance(model, GPT2) and total > model.config.n_positions:
+        raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"n_positions={model.config.n_positions}")
+    init_cache(model, 1, 1)  # raises for attention kinds that cannot decode, before tracing
+    if rng is None:
+        rng = jax.random.key(0)
+    elif isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
+        rng = jax.random.key(int(rng))
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
+                     top_p=float(top_p))

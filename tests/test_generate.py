@@ -1,0 +1,187 @@
+"""KV-cache decoding and generation (focal_jax.nn.generate) on tiny random models built in-process (no download):
+decoding with the cache equals the full-sequence forward at every position (dense, focal, focal_learned, hard causal
+Focus on LLaMA GQA; dense GPT-2); greedy `generate` equals repeated argmax of the full forward; nucleus sampling is
+reproducible and stays in the nucleus; bad arguments and undecodable attention kinds raise ValueError."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focal_jax import attention as fa
+from focal_jax.nn.generate import generate, init_cache, sample_logits
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
+from focal_jax.nn.llama import Llama, LlamaConfig
+
+VOCAB, B, T, PREFILL = 61, 2, 14, 5
+FOCUS = dict(kind="focus", focus_topk=1, focus_causal=True, focus_window=2, focus_groups=4, focus_dim=8)
+KINDS = {
+    "dense": {},
+    "focal": dict(kind="focal", focal_t=0.4),
+    "focal_learned": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0),
+    "focus_hard_causal": FOCUS,
+}
+
+
+def _llama(attn):
+    config = LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=48,
+                         rope_theta=500.0, qk_norm="head", attn=attn)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    if config.attention.kind == "focal_learned":  # a w_tau that makes tau vary with the prefix (inside the clip)
+        for i, layer in enumerate(model.layers):
+            w = 0.3 * jax.random.normal(jax.random.key(10 + i), layer.self_attn.w_tau.shape)
+            layer.self_attn.w_tau[...] = w
+            layer.self_attn.tau_bias[...] = jnp.asarray(3.0)
+    return model
+
+
+def _gpt2(**kw):
+    return GPT2(GPT2Config(vocab_size=VOCAB, n_positions=32, d_model=32, n_layers=2, n_heads=4, **kw),
+                rngs=nnx.Rngs(1))
+
+
+def _tokens(seed=2, length=T):
+    return jax.random.randint(jax.random.key(seed), (B, length), 0, VOCAB)
+
+
+def _decode_all(model, tokens, max_len):
+    """Logits of every position from prefill (PREFILL tokens), one chunk of 3, then single tokens."""
+    cache = init_cache(model, tokens.shape[0], max_len)
+    out = []
+    bounds = [0, PREFILL, PREFILL + 3] + list(range(PREFILL + 4, tokens.shape[1] + 1))
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        logits, cache = model(tokens[:, start:stop], cache=cache)
+        out.append(logits)
+    assert int(cache["index"]) == tokens.shape[1]
+    return jnp.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_llama_cached_decoding_equals_full_forward(kind):
+    model = _llama(KINDS[kind])
+    tokens = _tokens()
+    full = model(tokens)
+    decoded = _decode_all(model, tokens, max_len=T + 3)  # spare slots must stay invisible
+    np.testing.assert_allclose(decoded, full, atol=1e-4, rtol=0)
+    if kind == "focal_learned":  # the temperature really varies along the prefix and with the sequence
+        layer = model.layers[0]
+        x = layer.input_layernorm(model.embed_tokens(tokens))
+        tau = fa.learned_temperature(x, layer.self_attn.w_tau[...], tau_min=0.5, tau_max=8.0,
+                                     bias=layer.self_attn.tau_bias[...])
+        assert float(jnp.std(tau)) > 0.05 and float(tau.min()) > 0.5 and float(tau.max()) < 8.0
+
+
+def test_hard_focus_mask_is_not_trivial():
+    """The Focus decoding test above hides keys: the causal top-1 mask of layer 0 drops distant pairs."""
+    model = _llama(FOCUS)
+    tokens = _tokens()
+    layer = model.layers[0]
+    x = layer.input_layernorm(model.embed_tokens(tokens))
+    g = fa.sinkhorn(fa.routing_scores(x, layer.self_attn.w_g[...], layer.self_attn.centroids[...], tau=0.1),
+                    causal=True)
+    mask = fa.focus_mask(fa.topk_membership(g, 1), window=2)
+    causal = np.tril(np.ones((T, T), bool))
+    assert mask.sum() < B * causal.sum() - 20
+    assert (np.asarray(mask) != causal).any(axis=(0, 2)).sum() >= T // 2  # many queries lose keys
+
+
+def test_gpt2_cached_decoding_equals_full_forward():
+    model = _gpt2()
+    tokens = _tokens()
+    np.testing.assert_allclose(_decode_all(model, tokens, max_len=20), model(tokens), atol=1e-4, rtol=0)
+
+
+def _greedy_reference(model, prompt, n):
+    """Repeated argmax of the full forward (no cache). The sequence lives in a fixed-size buffer so that one jitted
+    forward serves every step: position i's logits depend only on tokens <= i (causal attention and routing)."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, seq: nnx.merge(graphdef, state)(seq))
+    t0 = prompt.shape[1]
+    seq = jnp.zeros((prompt.shape[0], t0 + n), prompt.dtype).at[:, :t0].set(prompt)
+    for t in range(t0, t0 + n):
+        seq = seq.at[:, t].set(jnp.argmax(forward(state, seq)[:, t - 1], axis=-1).astype(seq.dtype))
+    return seq
+
+
+@pytest.mark.parametrize("family", ["llama_focus", "gpt2"])
+def test_greedy_generate_equals_repeated_argmax(family):
+    model = _llama(FOCUS) if family == "llama_focus" else _gpt2()
+    prompt = _tokens(seed=3, length=4)
+    out = generate(model, prompt, max_new_tokens=8)
+    assert out.shape == (B, 12) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out, _greedy_reference(model, prompt, 8))
+    if family == "gpt2":  # an (essentially) empty nucleus keeps only the most probable token: sampling is greedy
+        np.testing.assert_array_equal(generate(model, prompt, max_new_tokens=8, temperature=1.0, top_p=1e-6, rng=5),
+                                      out)
+    assert len(set(np.asarray(out[:, 4:]).ravel().tolist())) > 1  # not a degenerate constant continuation
+
+
+def test_sampling_is_reproducible():
+    model = _gpt2()
+    prompt = _tokens(seed=4, length=3)
+    a = generate(model, prompt, max_new_tokens=6, temperature=1.5, top_p=0.9, rng=jax.random.key(7))
+    b = generate(model, prompt, max_new_tokens=6, temperature=1.5, top_p=0.9, rng=jax.random.key(7))
+    c = generate(model, prompt, max_new_tokens=6, temperature=1.5, top_p=0.9, rng=jax.random.key(8))
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a[:, :3], prompt)
+    assert (np.asarray(a) != np.asarray(c)).any()
+    assert ((np.asarray(a) >= 0) & (np.asarray(a) < VOCAB)).all()
+
+
+def test_top_p_samples_only_the_nucleus():
+    probs = jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])  # sorted: 0.4, 0.3, 0.15, 0.1, 0.05
+    logits = jnp.broadcast_to(jnp.log(probs), (4000, 5))
+    key = jax.random.key(0)
+    for top_p, nucleus in [(0.6, {1, 3}), (0.75, {1, 3, 4}), (0.4, {1}), (1.0, {0, 1, 2, 3, 4})]:
+        drawn = np.asarray(sample_logits(logits, key, temperature=1.0, top_p=top_p))
+        assert set(drawn.tolist()) == nucleus, top_p
+        np.testing.assert_array_equal(drawn, sample_logits(logits, key, temperature=1.0, top_p=top_p))
+    # within the nucleus, frequencies follow the renormalised probabilities (0.4 / 0.7 for token 1)
+    drawn = np.asarray(sample_logits(logits, key, temperature=1.0, top_p=0.6))
+    assert abs((drawn == 1).mean() - 0.4 / 0.7) < 0.04
+    np.testing.assert_array_equal(sample_logits(logits[:2], temperature=0.0), [1, 1])
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(max_new_tokens=2, temperature=-1.0), "temperature"),
+    (dict(max_new_tokens=2, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=2, top_p=1.5), "top_p"),
+    (dict(max_new_tokens=2, temperature=1.0), "rng"),
+    (dict(max_new_tokens=40), "n_positions"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        generate(_gpt2(), _tokens(length=3), **kwargs)
+
+
+def test_bad_inputs_are_named():
+    model = _gpt2()
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, jnp.zeros((5,), jnp.int32), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt"):
+        generate(model, jnp.zeros((1, 3)), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_len"):
+        init_cache(model, 1, 33)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(_tokens(length=3), segment_ids=jnp.zeros((B, 3), jnp.int32), cache=init_cache(model, B, 8))
+    cache = init_cache(model, B, 4)
+    _, cache = model(_tokens(length=3), cache=cache)
+    with pytest.raises(ValueError, match="max_len=4"):
+        model(_tokens(length=2), cache=cache)
+    with pytest.raises(ValueError, match="model"):
+        generate(object(), _tokens(length=3), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("attn, setting", [
+    (dict(FOCUS, focus_causal=False), "focus_causal=False"),
+    (dict(FOCUS, focus_topk=None), "focus_topk=None"),
+])
+def test_undecodable_focus_raises(attn, setting):
+    model = _llama(attn)
+    with pytest.raises(ValueError, match=setting):
+        generate(model, _tokens(length=3), max_new_tokens=2)
+    with pytest.raises(ValueError, match=setting):
+        init_cache(model, B, 8)
