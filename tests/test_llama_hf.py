@@ -353,3 +353,41 @@ def test_tiny_size_runs():
     model = Llama(focal_config("tiny", attn=dict(kind="focal")), rngs=nnx.Rngs(0))
     logits = model(jnp.zeros((1, 8), jnp.int32))
     assert logits.shape == (1, 8, 1000) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+# ------------------------------------------------------------------------------------------- dynamic NTK RoPE
+
+
+def test_dynamic_ntk_rope_matches_transformers(tmp_path):
+    """Hugging Face's 'dynamic' rope type: past max_position_embeddings the RoPE base grows (FOCAL_SPEC OQ-F10)."""
+    config = transformers.LlamaConfig(**COMMON, num_key_value_heads=2, max_position_embeddings=16,
+                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = from_hf(str(tmp_path))
+    assert (model.config.attention.rope_ntk_factor, model.config.attention.rope_trained_len) == (2.0, 16)
+    plain = with_attention(model, rope_ntk_factor=None, rope_trained_len=None)
+    rng = np.random.default_rng(0)
+    for length in (12, 40):  # inside and past the trained length
+        tokens = rng.integers(0, VOCAB, (2, length)).astype(np.int32)
+        expected = hf_logits(hf, tokens)
+        assert_close(model(jnp.asarray(tokens)), expected, atol=1e-4, what=f"dynamic NTK, T={length}")
+        plain_error = float(np.abs(np.asarray(plain(jnp.asarray(tokens))) - expected).max())
+        assert (plain_error < 1e-4) == (length <= 16), (length, plain_error)  # the scaling acts only past 16
+    to_hf(model, str(tmp_path / "export"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    tokens = rng.integers(0, VOCAB, (2, 40)).astype(np.int32)
+    assert_close(hf_logits(reloaded, tokens), hf_logits(hf, tokens), atol=1e-4, what="dynamic NTK to_hf")
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(rope_ntk_factor=2.0), "rope_trained_len"),
+    (dict(rope_ntk_factor=0.0, rope_trained_len=16), "rope_ntk_factor"),
+    (dict(rope_ntk_factor=2.0, rope_trained_len=0), "rope_trained_len"),
+    (dict(rope_ntk_factor=2.0, rope_trained_len=16, rope_theta=None), "rope_theta"),
+])
+def test_dynamic_ntk_config_errors(fields, message):
+    base = dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match=message):
+        AttentionConfig(**{**base, **fields})

@@ -47,13 +47,19 @@ class _Tensors:
                              f"{' ...' if len(unused) > 8 else ''}")
 
 
-def _rope_theta(hf):
+def _rope(hf):
+    """RoPE base and the extra attention fields of the checkpoint's rope type: 'default', or 'dynamic' (dynamic
+    NTK scaling past max_position_embeddings)."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, {}
+    if rope_type == "dynamic":
+        factor = params.get("factor", scaling.get("factor"))
+        return theta, {"rope_ntk_factor": float(factor), "rope_trained_len": int(hf["max_position_embeddings"])}
+    raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' and 'dynamic' RoPE)")
 
 
 def llama_config_from_hf(hf) -> LlamaConfig:
@@ -69,13 +75,15 @@ def llama_config_from_hf(hf) -> LlamaConfig:
         raise ValueError(f"{model_type} with use_sliding_window=True (per-layer windows) is not supported")
     n_heads = hf["num_attention_heads"]
     window = hf.get("sliding_window") if model_type == "mistral" else None
+    rope_theta, rope_fields = _rope(hf)
+    attn = dict(rope_fields) if window is None else {"window": int(window) - 1, **rope_fields}
     return LlamaConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         intermediate=hf["intermediate_size"], n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, rope_theta=_rope_theta(hf),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, rope_theta=rope_theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2", qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
-        post_norm=model_type == "olmo2", attn={} if window is None else {"window": int(window) - 1})
+        post_norm=model_type == "olmo2", attn=attn)
 
 
 def llama_tensors(model):
@@ -181,6 +189,13 @@ def _hf_model_type(config: LlamaConfig):
                      f"(qk_norm='head'), olmo2 (qk_norm='full', post_norm)")
 
 
+def _rope_parameters(config: LlamaConfig):
+    attention = config.attention
+    if attention.rope_ntk_factor is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {"rope_type": "dynamic", "rope_theta": config.rope_theta, "factor": attention.rope_ntk_factor}
+
+
 def to_hf(model, directory):
     """Write a LLaMA-family `Llama` with dense attention as a Hugging Face directory (config.json +
     model.safetensors, parameters in their own dtype) that `transformers.AutoModelForCausalLM.from_pretrained`
@@ -205,11 +220,13 @@ def to_hf(model, directory):
         "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.attention.n_kv_heads, "head_dim": config.attention.head_dim,
         "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta, "rope_parameters": _rope_parameters(config),
         "attention_bias": False, "use_sliding_window": False,
         "sliding_window": None if config.attention.window is None else config.attention.window + 1,
         "torch_dtype": dtype, "dtype": dtype,
     }
+    if config.attention.rope_trained_len is not None:
+        hf["max_position_embeddings"] = config.attention.rope_trained_len
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)

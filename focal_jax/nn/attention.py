@@ -14,7 +14,7 @@ from focal_jax import attention as fa
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask
-from focal_jax.nn.layers import RMSNorm, rope
+from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
 from focal_jax.nn.variables import Centroid, Temperature
 
 KINDS = ("dense", "focal", "focal_learned", "focus", "focal+focus")
@@ -52,6 +52,8 @@ class AttentionConfig:
     qk_norm: None | 'head' (Qwen3: RMSNorm over head_dim, per head) | 'full' (OLMo-2: RMSNorm over all heads'
       q and k before reshaping).
     rope_theta: None for no rotary embedding (GPT-2 uses learned positions).
+    rope_ntk_factor, rope_trained_len: dynamic NTK scaling of the RoPE base past `rope_trained_len` tokens
+      (`layers.dynamic_ntk_theta`, Hugging Face's 'dynamic' rope type); both None (the default) for plain RoPE.
     window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
       `0 <= i - j <= window` (Hugging Face's `sliding_window` is window + 1). None = full causal attention.
     """
@@ -80,6 +82,8 @@ class AttentionConfig:
     focus_topk: int | None = None
     focus_causal: bool = False
     window: int | None = None
+    rope_ntk_factor: float | None = None
+    rope_trained_len: int | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "focus_groups", "focus_dim", "focus_iters"):
@@ -100,6 +104,14 @@ class AttentionConfig:
             _positive("rope_theta", self.rope_theta)
             if self.head_dim % 2:
                 raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={self.head_dim}")
+        if (self.rope_ntk_factor is None) != (self.rope_trained_len is None):
+            raise ValueError(f"rope_ntk_factor and rope_trained_len go together, got rope_ntk_factor="
+                             f"{self.rope_ntk_factor!r}, rope_trained_len={self.rope_trained_len!r}")
+        if self.rope_ntk_factor is not None:
+            if self.rope_theta is None:
+                raise ValueError(f"rope_ntk_factor={self.rope_ntk_factor!r} needs rotary embeddings (rope_theta)")
+            _positive("rope_ntk_factor", self.rope_ntk_factor)
+            _int("rope_trained_len", self.rope_trained_len, 1)
         _positive("tau_min", self.tau_min)
         if not self.tau_min < self.tau_max:
             raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
@@ -229,7 +241,11 @@ class Attention(nnx.Module):
         if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rope_theta is not None:
-            q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+            theta = c.rope_theta
+            if c.rope_ntk_factor is not None:
+                theta = dynamic_ntk_theta(theta, positions, c.head_dim, factor=c.rope_ntk_factor,
+                                          trained_len=c.rope_trained_len)
+            q, k = rope(q, positions, theta), rope(k, positions, theta)
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")

@@ -39,10 +39,25 @@ def rotate_half(x):
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
+def dynamic_ntk_theta(theta, positions, head_dim: int, *, factor: float, trained_len: int):
+    """Dynamic NTK RoPE base for evaluation past the trained length (FOCAL_SPEC OQ-F10, as Hugging Face's
+    'dynamic' rope type): with L = max(positions) + 1, `theta * (factor * L / trained_len - (factor - 1)) **
+    (head_dim / (head_dim - 2))` when L > trained_len, else `theta` unchanged. Returns a float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(dynamic_ntk_theta(10000.0, jnp.arange(8)[None], 64, factor=2.0, trained_len=16))
+      10000.0
+    """
+    length = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1.0, float(trained_len))
+    return theta * (factor * length / trained_len - (factor - 1.0)) ** (head_dim / (head_dim - 2))
+
+
 def rope(x, positions, theta: float = 10000.0):
     """Rotary position embedding of `x [B, T, H, D]` at integer `positions [B, T]`, Hugging Face layout:
     `x * cos + rotate_half(x) * sin` (the layout HF LLaMA / Mistral / Qwen / OLMo checkpoints store q and k in,
-    so their weights load without a permutation). Computed in float32, returned in x's dtype.
+    so their weights load without a permutation). Computed in float32, returned in x's dtype. `theta` may be a
+    traced scalar (see `dynamic_ntk_theta`).
 
     Example:
       >>> import jax.numpy as jnp
