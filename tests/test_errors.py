@@ -157,3 +157,11 @@ def test_bad_sink(bad):
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, sink=bad), "sink", bad)
     check_raises(lambda: focus_mask(MEM, window=2, sink=bad), "sink", bad)
     check_raises(lambda: focus_attention(Q, KK, V, G, window=2, sink=bad), "sink", bad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, True, "2"])
+def test_bad_softcap(bad):
+    check_raises(lambda: focal_attention(Q, KK, V, softcap=bad), "softcap", bad)
+    check_raises(lambda: focus_attention(Q, KK, V, G, window=2, softcap=bad), "softcap", bad)
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, softcap=bad, impl="decomposed"),
+                 "softcap", bad)

@@ -160,6 +160,16 @@ def test_per_query_temperature_equals_reference():
     assert_close(got[:1, i], want_i)
 
 
+@pytest.mark.parametrize("segmented", [False, True])
+def test_softcap_equals_reference(segmented):
+    q, k, v = rand_qkv(21, hk=2)
+    seg = jnp.asarray([[0] * 25 + [1] * 15, [2] * 9 + [3] * 31], jnp.int32) if segmented else None
+    kw = dict(temperature=0.4, window=11, segment_ids=seg)
+    got = focal_attention(q, k, v, softcap=2.0, **kw)
+    assert_close(got, reference.attention(q, k, v, softcap=2.0, **kw))
+    assert float(jnp.max(jnp.abs(got - reference.attention(q, k, v, **kw)))) > 1e-2  # the cap acts
+
+
 def test_bf16_inputs_follow_float32_reference():
     q, k, v = rand_qkv(13)
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))

@@ -24,6 +24,7 @@ CASES = {
     "gqa_temp_array_segments": dict(hk=2, temp_array=True, segmented=True),
     "scalar_temp_scale_lam": dict(temperature=0.4, scale=0.5, lam=3.0),
     "sink_segments": dict(sink=3, segmented=True),
+    "softcap": dict(softcap=1.5, temperature=0.5),
 }
 
 
@@ -39,7 +40,8 @@ def test_soft_equals_reference(gate, case):
     else:
         temperature = cfg.get("temperature", 1.0)
     kw = dict(window=5, gate=gate, lam=cfg.get("lam", 10.0), temperature=temperature, scale=cfg.get("scale"),
-              segment_ids=SEG if cfg.get("segmented") else None, sink=cfg.get("sink", 0))
+              segment_ids=SEG if cfg.get("segmented") else None, sink=cfg.get("sink", 0),
+              softcap=cfg.get("softcap"))
     got = focus_attention(q, k, v, g, **kw)
     want = reference.focus_soft_attention(q, k, v, g, **kw)
     assert got.shape == q.shape

@@ -19,8 +19,8 @@ from helpers import assert_close, rand_qkv
 
 
 # One compiled function per (shapes, window, impl, block_size); temperature/scale are traced when they are arrays.
-sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "sink", "impl", "block_size"))
-naive = jax.jit(reference.focus_hard_attention, static_argnames=("window", "sink"))
+sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "sink", "softcap", "impl", "block_size"))
+naive = jax.jit(reference.focus_hard_attention, static_argnames=("window", "sink", "softcap"))
 
 
 def topk_numpy(scores, k):
@@ -80,6 +80,7 @@ CONFIGS = {
     "default_block_T150": (1, 150, 2, 2, 8, 4, 1, 10, None, {}),
     "sink_segments_k1": (2, 77, 2, 2, 8, 4, 1, 8, 16, dict(sink=3, segments=True)),
     "sink_beyond_window_k2": (1, 130, 2, 2, 8, 5, 2, 4, 32, dict(sink=20)),
+    "softcap_k2_sharp": (1, 90, 4, 2, 8, 4, 2, 6, 16, dict(softcap=1.5, temperature=0.3)),
 }
 
 
@@ -94,7 +95,7 @@ def build_case(name, seed=0):
     else:
         temperature = extra.get("temperature", 1.0)
     kw = dict(window=window, temperature=temperature, scale=extra.get("scale"), segment_ids=seg,
-              sink=extra.get("sink", 0))
+              sink=extra.get("sink", 0), softcap=extra.get("softcap"))
     return q, k, v, jnp.asarray(mem), kw, block
 
 
@@ -159,7 +160,8 @@ def test_disjoint_groups_window0_is_group_causal_attention():
     assert_close(sparse(q, k, v, jnp.asarray(mem_np), window=0, impl="decomposed", block_size=16), want)
 
 
-GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array", "sink_beyond_window_k2"]
+GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array", "sink_beyond_window_k2",
+              "softcap_k2_sharp"]
 
 
 @pytest.mark.parametrize("name", GRAD_CASES)
@@ -315,3 +317,11 @@ def test_decomposed_bf16_follows_float32_reference():
     got = sparse(*bf16, mem, impl="decomposed", block_size=block, **kw)
     assert got.dtype == jnp.bfloat16
     assert_close(got, want, atol=2e-2, what="bf16 decomposed")
+
+
+def test_softcap_caps_the_logits():
+    """The softcap case is not trivially uncapped: its output differs from the same attention without the cap."""
+    q, k, v, mem, kw, block = build_case("softcap_k2_sharp")
+    capped = sparse(q, k, v, mem, impl="decomposed", block_size=block, **kw)
+    uncapped = sparse(q, k, v, mem, impl="decomposed", block_size=block, **{**kw, "softcap": None})
+    assert float(jnp.max(jnp.abs(capped - uncapped))) > 1e-2

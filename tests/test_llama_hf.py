@@ -163,6 +163,7 @@ def with_attention(model, **attn):
     dict(kind="focus", focus_window=T, focus_groups=4),  # every causal pair is local: nothing gated
     dict(kind="focus", focus_window=2, focus_groups=4, focus_topk=4),  # all groups: the causal mask
     dict(kind="focal+focus", focal_t=1.0, focus_window=2, focus_groups=3, focus_topk=3),
+    dict(kind="dense", softcap=1e6),  # a cap far above every logit
 ])
 def test_kinds_reduce_to_dense(attn, llama_dir, tokens):
     model = with_attention(from_hf(llama_dir[0]), **attn)
@@ -177,6 +178,8 @@ def test_kinds_reduce_to_dense(attn, llama_dir, tokens):
     dict(kind="focal_learned"),  # tau starts at 7.5, not sqrt(16) = 4
     dict(kind="focus", focus_window=2, focus_groups=4),
     dict(kind="focus", focus_window=2, focus_groups=4, focus_topk=1),
+    dict(kind="dense", softcap=0.5),
+    dict(kind="focus", focus_window=2, focus_groups=4, focus_topk=1, impl="decomposed", softcap=0.5),
 ])
 def test_kinds_change_logits(attn, llama_dir, tokens):
     model = with_attention(from_hf(llama_dir[0]), **attn)

@@ -88,3 +88,11 @@ def logit_multiplier(q, scale, temperature):
             f"temperature must be a float or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
             f"got shape {temperature.shape}") from None
     return scale / temperature.astype(jnp.float32)
+
+
+def check_softcap(softcap):
+    """None (off) or a number > 0."""
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) or softcap <= 0:
+            raise ValueError(f"softcap must be None or a number > 0 (logits -> softcap * tanh(logits / softcap)), "
+                             f"got softcap={softcap!r}")

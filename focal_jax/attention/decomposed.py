@@ -136,10 +136,22 @@ def _n_entry_blocks(routing, block):
     return -(-routing.group_start[-1] // block)
 
 
-def _scores(q_block, k_block, mask):
-    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> logits `[bq, Hk, G, bk]`, -inf where mask `[bq, bk]` is
-    False."""
-    s = jnp.einsum("qhgd,khd->qhgk", q_block, k_block)
+class Settings(NamedTuple):
+    """The static settings of one call (hashable: the non-differentiable argument of the custom VJP)."""
+    window: int
+    sink: int
+    softcap: float | None
+    block: int
+
+
+def _raw_scores(q_block, k_block):
+    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> `q.k` `[bq, Hk, G, bk]` (q already carries the scale)."""
+    return jnp.einsum("qhgd,khd->qhgk", q_block, k_block)
+
+
+def _scores(raw, mask, softcap):
+    """Logits from raw `q.k`: soft-capped if `softcap` is set, -inf where mask `[bq, bk]` is False."""
+    s = raw if softcap is None else softcap * jnp.tanh(raw / softcap)
     return jnp.where(mask[:, None, None, :], s, -jnp.inf)
 
 
@@ -183,9 +195,10 @@ def _merge_into_tokens(totals, tokens, state):
     return m_tok, l_tok, acc_tok
 
 
-def _forward(q, k, v, routing, window, sink, block):
+def _forward(q, k, v, routing, settings):
     """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` -> out `[T, Hk, G, Dv]`, lse
     `[T, Hk, G]`, all float32."""
+    window, sink, block = settings.window, settings.sink, settings.block
     t, hk, g, _ = q.shape
     dv = v.shape[-1]
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
@@ -194,7 +207,7 @@ def _forward(q, k, v, routing, window, sink, block):
     def band_block(block_index, totals):
         tile = _band_tile(routing, block_index, t, window, sink, block)
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
-        s = _scores(q[tile.query_token], k[tile.key_token], tile.mask)
+        s = _scores(_raw_scores(q[tile.query_token], k[tile.key_token]), tile.mask, settings.softcap)
         state = _online_update(empty, s, v[tile.key_token])
         return _merge_into_tokens(totals, tile.query_token, state)
 
@@ -207,7 +220,7 @@ def _forward(q, k, v, routing, window, sink, block):
         def key_step(carry):
             key_block, state = carry
             tile = _group_tile(routing, query_block, key_block, t, block)
-            s = _scores(q_block, k[tile.key_token], tile.mask)
+            s = _scores(_raw_scores(q_block, k[tile.key_token]), tile.mask, settings.softcap)
             return key_block + 1, _online_update(state, s, v[tile.key_token])
 
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
@@ -233,18 +246,22 @@ class QueryBlock(NamedTuple):
     delta: jax.Array
 
 
-def _tile_grads(query, k_block, v_block, mask):
+def _tile_grads(query, k_block, v_block, mask, softcap):
     """Gradient contributions of one tile: dq `[bq,Hk,G,D]`, dk `[bk,Hk,D]`, dv `[bk,Hk,Dv]`."""
-    p = jnp.exp(_scores(query.q, k_block, mask) - query.lse[..., None])
+    raw = _raw_scores(query.q, k_block)
+    p = jnp.exp(_scores(raw, mask, softcap) - query.lse[..., None])
     dp = jnp.einsum("qhgd,khd->qhgk", query.d_out, v_block)
     ds = p * (dp - query.delta[..., None])
+    if softcap is not None:
+        ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
     dq = jnp.einsum("qhgk,khd->qhgd", ds, k_block)
     dk = jnp.einsum("qhgk,qhgd->khd", ds, query.q)
     dv = jnp.einsum("qhgk,qhgd->khd", p, query.d_out)
     return dq, dk, dv
 
 
-def _backward(q, k, v, routing, out, lse, d_out, window, sink, block):
+def _backward(q, k, v, routing, out, lse, d_out, settings):
+    window, sink, block = settings.window, settings.sink, settings.block
     t = q.shape[0]
     delta = jnp.sum(d_out * out, axis=-1)
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
@@ -254,7 +271,7 @@ def _backward(q, k, v, routing, out, lse, d_out, window, sink, block):
         return QueryBlock(q[tokens], d_out[tokens], lse[tokens], delta[tokens])
 
     def add_tile(query, key_tokens, mask, dq_block, dk, dv):
-        tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask)
+        tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask, settings.softcap)
         return dq_block + tile_dq, dk.at[key_tokens].add(tile_dk), dv.at[key_tokens].add(tile_dv)
 
     def band_block(block_index, grads):
@@ -286,19 +303,19 @@ def _backward(q, k, v, routing, out, lse, d_out, window, sink, block):
     return dq[:t], dk[:t], dv[:t]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _sequence_attention(q, k, v, routing, window, sink, block):
-    return _forward(q, k, v, routing, window, sink, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sequence_attention(q, k, v, routing, settings):
+    return _forward(q, k, v, routing, settings)[0]
 
 
-def _sequence_attention_fwd(q, k, v, routing, window, sink, block):
-    out, lse = _forward(q, k, v, routing, window, sink, block)
+def _sequence_attention_fwd(q, k, v, routing, settings):
+    out, lse = _forward(q, k, v, routing, settings)
     return out, (q, k, v, routing, out, lse)
 
 
-def _sequence_attention_bwd(window, sink, block, residuals, d_out):
+def _sequence_attention_bwd(settings, residuals, d_out):
     q, k, v, routing, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, window, sink, block)
+    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, settings)
     zero_routing = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), routing)
     return dq, dk, dv, zero_routing
 
@@ -306,7 +323,8 @@ def _sequence_attention_bwd(window, sink, block, residuals, d_out):
 _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
 
 
-def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, block_size=128):
+def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
+                         block_size=128):
     """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).
 
     Args:
@@ -314,6 +332,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       membership: bool `[B, T, K]`.
       multiplier: scale / temperature, a scalar or `[B, T, H]`.
       window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` keys are always visible.
+      softcap: None or the logit cap (`softcap * tanh(logits / softcap)`).
       block_size: tile size.
 
     Returns:
@@ -330,7 +349,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size))(membership, segment_ids)
 
     def one_sequence(args):
-        return _sequence_attention(*args, window, sink, block_size)
+        return _sequence_attention(*args, Settings(window, sink, softcap, block_size))
 
     out = jax.lax.map(one_sequence, (scaled_q, k.astype(jnp.float32), v.astype(jnp.float32), routing))
     return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)

@@ -18,16 +18,19 @@ def _repeat_kv_heads(x, n_q_heads):
     return jnp.repeat(x, n_q_heads // x.shape[2], axis=2)
 
 
-def attention_logits(q, k, multiplier):
-    """Logits `q.k * multiplier` in float32, shaped `[B, H, T, S]`.
+def attention_logits(q, k, multiplier, softcap=None):
+    """Logits `q.k * multiplier` in float32, shaped `[B, H, T, S]`, then `softcap * tanh(logits / softcap)` if
+    `softcap` is set (Gemma-2 style logit capping; after the temperature).
 
     q `[B, T, H, D]`, k `[B, S, Hk, D]`; `multiplier` is a scalar or `[B, T, H]` (scale / temperature, per query and
     head).
     """
     logits = jnp.einsum("bthd,bshd->bhts", q, _repeat_kv_heads(k, q.shape[2]), preferred_element_type=jnp.float32)
     if jnp.ndim(multiplier) == 0:
-        return logits * multiplier
-    return logits * jnp.transpose(multiplier, (0, 2, 1))[..., None]
+        logits = logits * multiplier
+    else:
+        logits = logits * jnp.transpose(multiplier, (0, 2, 1))[..., None]
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def attend(logits, v, mask):
@@ -47,7 +50,8 @@ def attend(logits, v, mask):
     return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
 
 
-def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None):
+def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None,
+                    softcap=None):
     """Temperature-scaled attention (Focal Attention, Eq. 5): `softmax(q.k * scale / temperature) v`.
 
     Args:
@@ -59,6 +63,7 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
       causal: key j visible to query i only if j <= i.
       window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).
       segment_ids: int `[B, T]`; tokens attend only within their own segment (packed documents).
+      softcap: None, or cap the scaled logits as `softcap * tanh(logits / softcap)` (Gemma-2 style).
 
     Returns:
       `[B, T, H, Dv]` in v's dtype (logits and softmax in float32).
@@ -75,15 +80,16 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
         _validate.check_self_attention(q, k)
     _validate.check_segment_ids(segment_ids, b, t)
     multiplier = _validate.logit_multiplier(q, scale, temperature)
+    _validate.check_softcap(softcap)
     s = k.shape[1]
     if causal or window is not None or segment_ids is not None:
         mask = attention_mask(t, batch=b, causal=causal, window=window, segment_ids=segment_ids)
     else:
         mask = jnp.ones((b, t, s), bool)
-    return attend(attention_logits(q, k, multiplier), v, mask)
+    return attend(attention_logits(q, k, multiplier, softcap), v, mask)
 
 
-def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segment_ids=None):
+def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segment_ids=None, softcap=None):
     """Standard softmax attention, `softmax(q.k * scale) v`, the `temperature=1` case of `focal_attention`.
 
     Shapes and arguments as `focal_attention`; equals `jax.nn.dot_product_attention(q, k, v, is_causal=causal,
@@ -96,7 +102,7 @@ def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segm
       (1, 8, 2, 4)
     """
     return focal_attention(q, k, v, temperature=1.0, scale=scale, causal=causal, window=window,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, softcap=softcap)
 
 
 def _clip(z, tau_min, tau_max, clip):

@@ -85,7 +85,7 @@ def _visible(b, t, window, segment_ids, sink):
 
 
 def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
-                    segment_ids=None, sink=0):
+                    segment_ids=None, sink=0, softcap=None):
     """Focus soft-gated attention, the training form (dense, O(T^2)).
 
     Logits `l_ij = q_i.k_j * scale / temperature` (the Focal temperature applies first); affinity
@@ -101,6 +101,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       temperature, scale, segment_ids: as in `focal_attention`.
       sink: the first `sink` keys are ungated for every query, like local ones (an attention sink; off by
         default, not in the paper).
+      softcap: None, or `softcap * tanh(logits / softcap)` before the gate (FOCUS_SPEC OQ-13).
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -115,7 +116,8 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
     b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
     _validate.check_choice("gate", gate, GATES)
     multiplier = _validate.logit_multiplier(q, scale, temperature)
-    logits = attention_logits(q, k, multiplier)
+    _validate.check_softcap(softcap)
+    logits = attention_logits(q, k, multiplier, softcap)
     affinity = jnp.einsum("btk,bsk->bts", g.astype(jnp.float32), g.astype(jnp.float32))[:, None]
     if gate == "paper":
         gated = logits * jax.nn.sigmoid(lam * affinity)
@@ -181,7 +183,7 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
 
 
 def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
-                           sink=0, impl="reference", block_size=None):
+                           sink=0, softcap=None, impl="reference", block_size=None):
     """Hard Focus attention at inference: plain (scaled) logits under `focus_mask`, no gate values.
 
     Args:
@@ -189,6 +191,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       membership: bool `[B, T, K]`, the groups of each token (`topk_membership(g, k)`); any number per token.
       window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
       sink: the first `sink` keys are visible to every query (see `focus_mask`); default 0 (off).
+      softcap: None, or `softcap * tanh(logits / softcap)` on the scaled logits.
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
         O(T * block) memory, differentiable), or `'pallas'` (the fused kernel; not available yet).
@@ -212,12 +215,14 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
                                    or block_size < 1):
         raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}")
     multiplier = _validate.logit_multiplier(q, scale, temperature)
+    _validate.check_softcap(softcap)
     membership = membership.astype(bool)
     if impl == "pallas":
         raise NotImplementedError(
             "impl='pallas' is reserved for the fused Pallas kernel (kernels issue); use impl='decomposed'")
     if impl == "decomposed":
         return decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
-                                    segment_ids=segment_ids, sink=sink, block_size=block_size or 128)
+                                    segment_ids=segment_ids, sink=sink, softcap=softcap,
+                                    block_size=block_size or 128)
     mask = focus_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
-    return attend(attention_logits(q, k, multiplier), v, mask)
+    return attend(attention_logits(q, k, multiplier, softcap), v, mask)

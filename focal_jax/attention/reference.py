@@ -55,6 +55,11 @@ def _raw_logits(q, k, scale, temperature):
     return qk * scale * jnp.transpose(inv_t, (0, 2, 1))[:, :, :, None]
 
 
+def _soft_cap(logits, softcap):
+    """`softcap * tanh(logits / softcap)`, or the logits unchanged when softcap is None."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
 def _pair_positions(t):
     """Query positions i `[T, 1]` and key positions j `[1, T]`."""
     pos = jnp.arange(t)
@@ -88,20 +93,20 @@ def _masked_softmax_attend(logits, mask, v, num_q_heads):
 # Dense / focal attention.
 # ----------------------------------------------------------------------------------------------------------------
 
-def attention(q, k, v, *, scale=None, temperature=1.0, causal=True, window=None, segment_ids=None):
+def attention(q, k, v, *, scale=None, temperature=1.0, causal=True, window=None, segment_ids=None, softcap=None):
     """Naive (focal) attention: `softmax(q.k * scale / temperature) v` under an explicit pair mask.
 
     Args:
       q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]` (Hk divides H).
       scale: default `1/sqrt(D)`. temperature: scalar or broadcastable to `[B, T, H]`.
       causal: j <= i. window: w -> key j local to query i iff `0 <= i - j <= w` (with causal=False: `|i - j| <= w`).
-      segment_ids: int `[B, T]`; only equal ids attend.
+      segment_ids: int `[B, T]`; only equal ids attend. softcap: None or `softcap * tanh(logits / softcap)`.
 
     Returns:
       `[B, T, H, Dv]` float32.
     """
     b, t, h, _ = q.shape
-    logits = _raw_logits(q, k, scale, temperature)
+    logits = _soft_cap(_raw_logits(q, k, scale, temperature), softcap)
     i, j = _pair_positions(t)
     allowed = jnp.ones((t, t), bool)
     if causal:
@@ -223,7 +228,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False):
 # ----------------------------------------------------------------------------------------------------------------
 
 def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
-                         segment_ids=None, sink=0):
+                         segment_ids=None, sink=0, softcap=None):
     """Focus training form: gated logits, then causal (+segment) softmax.
 
     logits = q.k * scale / temperature; affinity `a_ij = g_i . g_j`; local pairs (`0 <= i - j <= window`)
@@ -233,7 +238,7 @@ def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temp
     q `[B, T, H, D]`, k/v `[B, T, Hk, D/Dv]`, g `[B, T, K]` -> `[B, T, H, Dv]` float32.
     """
     b, t, h, _ = q.shape
-    logits = _raw_logits(q, k, scale, temperature)                  # [B, H, T, T]
+    logits = _soft_cap(_raw_logits(q, k, scale, temperature), softcap)   # [B, H, T, T], capped before the gate
     gf = jnp.asarray(g, jnp.float32)
     affinity = jnp.einsum("bik,bjk->bij", gf, gf, precision=jax.lax.Precision.HIGHEST)[:, None]
     i, j = _pair_positions(t)
@@ -265,12 +270,12 @@ def focus_hard_mask(membership, *, window, segment_ids=None, sink=0):
 
 
 def focus_hard_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
-                         sink=0):
+                         sink=0, softcap=None):
     """Focus inference form: plain logits `q.k * scale / temperature` under `focus_hard_mask`, softmax, `@ v`.
 
     q `[B, T, H, D]`, k/v `[B, T, Hk, D/Dv]`, membership bool `[B, T, K]` -> `[B, T, H, Dv]` float32.
     """
     h = q.shape[2]
-    logits = _raw_logits(q, k, scale, temperature)
+    logits = _soft_cap(_raw_logits(q, k, scale, temperature), softcap)
     mask = focus_hard_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
     return _masked_softmax_attend(logits, mask, v, h)

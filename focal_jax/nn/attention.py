@@ -52,6 +52,8 @@ class AttentionConfig:
     qk_norm: None | 'head' (Qwen3: RMSNorm over head_dim, per head) | 'full' (OLMo-2: RMSNorm over all heads'
       q and k before reshaping).
     rope_theta: None for no rotary embedding (GPT-2 uses learned positions).
+    softcap: None, or cap the (temperature-scaled) logits as `softcap * tanh(logits / softcap)` before any Focus
+      gate or mask (Gemma-2 style; FOCUS_SPEC OQ-13).
     rope_ntk_factor, rope_trained_len: dynamic NTK scaling of the RoPE base past `rope_trained_len` tokens
       (`layers.dynamic_ntk_theta`, Hugging Face's 'dynamic' rope type); both None (the default) for plain RoPE.
     window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
@@ -84,6 +86,7 @@ class AttentionConfig:
     window: int | None = None
     rope_ntk_factor: float | None = None
     rope_trained_len: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self):
         for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "focus_groups", "focus_dim", "focus_iters"):
@@ -112,6 +115,10 @@ class AttentionConfig:
                 raise ValueError(f"rope_ntk_factor={self.rope_ntk_factor!r} needs rotary embeddings (rope_theta)")
             _positive("rope_ntk_factor", self.rope_ntk_factor)
             _int("rope_trained_len", self.rope_trained_len, 1)
+        if self.softcap is not None:
+            _positive("softcap", self.softcap)
+            if self.impl == "cudnn":
+                raise ValueError(f"softcap={self.softcap!r} is not available with impl='cudnn'; use impl='xla'")
         _positive("tau_min", self.tau_min)
         if not self.tau_min < self.tau_max:
             raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
@@ -297,7 +304,7 @@ class Attention(nnx.Module):
             q_membership = jax.lax.dynamic_slice(membership, (0, index, 0), (b, t, c.focus_groups))
             mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership))
         multiplier = _validate.logit_multiplier(q, scale, temperature)
-        return attend(attention_logits(q, k_all, multiplier), v_all, mask), new
+        return attend(attention_logits(q, k_all, multiplier, c.softcap), v_all, mask), new
 
     def _attend(self, x, q, k, v, segment_ids):
         c = self.config
@@ -305,22 +312,23 @@ class Attention(nnx.Module):
             temperature = 1.0 if c.kind == "dense" else c.focal_t
             if c.impl == "cudnn":
                 return _cudnn_attention(q, k, v, temperature, c.window, segment_ids)
-            return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids)
+            return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids,
+                                      softcap=c.softcap)
         if c.kind == "focal_learned":
             tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode="prefix",
                                          bias=self.tau_bias[...], segment_ids=segment_ids)
             return fa.focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], window=c.window,
-                                      segment_ids=segment_ids)
+                                      segment_ids=segment_ids, softcap=c.softcap)
         # Focus: route on the attention input, balanced by Sinkhorn, then soft gate or hard top-k mask.
         temperature = c.focal_t if c.kind == "focal+focus" else 1.0
         scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
         g = fa.sinkhorn(scores, n_iters=c.focus_iters, segment_ids=segment_ids, causal=c.focus_causal)
         if c.focus_topk is None:
             return fa.focus_attention(q, k, v, g, window=c.focus_window, gate=c.focus_gate, lam=c.focus_lam,
-                                      temperature=temperature, segment_ids=segment_ids)
+                                      temperature=temperature, segment_ids=segment_ids, softcap=c.softcap)
         membership = fa.topk_membership(g, c.focus_topk)
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
-                                         segment_ids=segment_ids,
+                                         segment_ids=segment_ids, softcap=c.softcap,
                                          impl="decomposed" if c.impl == "decomposed" else "reference")
 
 
