@@ -7,8 +7,8 @@ setup(
     version="0.1.0",
     description="Focal Attention and Focus (learned-group sparse attention) in JAX / Flax NNX",
     python_requires=">=3.11",
-    packages=find_packages(include=["focal_jax", "focal_jax.*"]) + ["focal_jax.kernels"],
-    package_dir={"focal_jax.kernels": "kernels"},
+    packages=find_packages(include=["focal_jax", "focal_jax.*"]) + ["focal_jax.kernels", "focal_jax.configs"],
+    package_dir={"focal_jax.kernels": "kernels", "focal_jax.configs": "configs"},
     install_requires=[
         # jax 0.10.2 (Python 3.11, CPU) and 0.11.x (Python 3.12, GPU) are both supported.
         "jax>=0.10.2,<0.12",
@@ -20,6 +20,10 @@ setup(
         "ml-collections>=1.0",
         "numpy>=1.26",
         "matplotlib>=3.8",
+        "absl-py>=2.0",
+        "tqdm>=4.60",
+        "tensorboardX>=2.6",
+        "pyarrow>=14",
     ],
     extras_require={
         "test": [

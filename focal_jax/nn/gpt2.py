@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
+from focal_jax.nn.layers import apply_block
 
 ACTIVATIONS = {
     # Hugging Face names -> jax.nn.gelu's `approximate` flag.
@@ -48,6 +49,7 @@ class GPT2Config:
 
     vocab_size [vocab_size], n_positions [n_positions], d_model [n_embd], n_layers [n_layer], n_heads [n_head],
     layer_norm_eps [layer_norm_epsilon], d_ff [n_inner; None = 4 * d_model], activation [activation_function].
+    remat: recompute each block in the backward pass instead of keeping its activations (training memory).
     The attention fields (kind ... focus_causal) have the meaning of `focal_jax.nn.attention.AttentionConfig`.
     """
 
@@ -59,6 +61,7 @@ class GPT2Config:
     layer_norm_eps: float = 1e-5
     d_ff: int | None = None
     activation: str = "gelu_new"
+    remat: bool = False
     # Attention kind and settings (passed through to AttentionConfig).
     kind: str = "dense"
     impl: str = "xla"
@@ -183,7 +186,7 @@ class GPT2(nnx.Module):
         layer_caches = []
         for i, block in enumerate(self.h):
             if cache is None:
-                x = block(x, positions=positions, segment_ids=segment_ids)
+                x = apply_block(block, x, positions=positions, segment_ids=segment_ids, remat=self.config.remat)
             else:
                 x, layer_cache = block(x, positions=positions, cache=cache["layers"][i], cache_index=cache["index"])
                 layer_caches.append(layer_cache)

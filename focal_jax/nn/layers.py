@@ -85,3 +85,11 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def apply_block(block, x, *, positions, segment_ids=None, remat: bool = False):
+    """`block(x, positions=..., segment_ids=...)`, rematerialised in the backward pass when `remat` (activation
+    checkpointing: only the block's input is kept; its inside is recomputed during differentiation)."""
+    def call(block, x, positions, segment_ids):
+        return block(x, positions=positions, segment_ids=segment_ids)
+    return nnx.remat(call)(block, x, positions, segment_ids) if remat else call(block, x, positions, segment_ids)

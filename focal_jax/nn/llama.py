@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import RMSNorm, SwiGLU
+from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block
 
 _DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
             "rope_theta")
@@ -28,6 +28,7 @@ class LlamaConfig:
     qk_norm: None | 'head' (Qwen3, the Focal paper) | 'full' (OLMo-2). post_norm: OLMo-2's norm placement.
     attn: extra `AttentionConfig` fields, e.g. `{'kind': 'focal', 'focal_t': 0.4}` (the shape fields are derived
       from this config and may not be given). Kept as a sorted tuple of (key, value) pairs.
+    remat: recompute each decoder block in the backward pass instead of keeping its activations (training memory).
     """
 
     vocab_size: int
@@ -44,6 +45,7 @@ class LlamaConfig:
     qk_norm: str | None = None
     post_norm: bool = False
     attn: Mapping[str, Any] | tuple = ()
+    remat: bool = False
 
     def __post_init__(self):
         # Stored as sorted (key, value) pairs so that the config stays hashable (NNX keeps it as static data).
@@ -54,7 +56,7 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
-        for name in ("tie_embeddings", "post_norm"):
+        for name in ("tie_embeddings", "post_norm", "remat"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         if self.head_dim is None and self.d_model % self.n_heads:
@@ -152,7 +154,7 @@ class Llama(nnx.Module):
         layer_caches = []
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x = layer(x, positions=positions, segment_ids=segment_ids)
+                x = apply_block(layer, x, positions=positions, segment_ids=segment_ids, remat=self.config.remat)
             else:
                 x, layer_cache = layer(x, positions=positions, cache=cache["layers"][i], cache_index=index)
                 layer_caches.append(layer_cache)

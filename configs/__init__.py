@@ -1,0 +1,1 @@
+"""Shared pieces of experiment configs, installed as `focal_jax.configs`."""

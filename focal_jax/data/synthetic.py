@@ -1,0 +1,149 @@
+"""Synthetic long-context tasks with known answers, for training and for scoring recall.
+
+Every task returns `Example(prompt, answer)`: the prompt ends right before the answer (no trailing space) and the
+answer is a string of digits, so `prompt + answer` is a training document and a model's continuation of `prompt`
+is scored with `score`. Each task has a length knob (`n_pairs` or `n_sentences`) so contexts can grow.
+
+- `associative_recall` (multi-query associative recall): `n_pairs` key=value pairs, then `n_queries` queries of
+  distinct keys; the first `n_queries - 1` are answered in the prompt, the last one is the example's answer.
+- `needle` (needle in a haystack): `n_sentences` filler sentences with `n_keys` needles
+  "The magic number for KEY is VALUE." at random places; one key is queried, the other needles are distractors.
+- `json_kv`: a JSON object of `n_pairs` random hex keys to random digit-string values; one key is queried.
+
+>>> ex = make_examples('associative_recall', 1, seed=0, n_pairs=3, n_queries=2)[0]
+>>> ex.prompt.count('='), ex.answer.isdigit()
+(5, True)
+"""
+
+import dataclasses
+import inspect
+import json
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One task instance: the model reads `prompt` and should continue it with `answer`."""
+
+    prompt: str
+    answer: str
+
+
+_LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+_HEX = np.array(list("0123456789abcdef"))
+_FILLER = (
+    "The grass is green and the sky is blue.",
+    "The sun rose slowly over the quiet hills.",
+    "A small boat drifted along the river.",
+    "The market was busy on a warm afternoon.",
+    "Rain fell softly on the roof all night.",
+    "The old library smelled of paper and dust.",
+    "Children played in the park until dusk.",
+    "A cold wind blew across the empty field.",
+    "The train left the station on time.",
+    "Birds sang in the trees near the house.",
+    "The road wound through the dark forest.",
+    "A cup of tea cooled on the kitchen table.",
+    "The city lights glowed in the distance.",
+    "Snow covered the mountains in the north.",
+    "The baker opened his shop before dawn.",
+    "Waves broke gently against the shore.",
+)
+
+
+def _random_strings(rng, n, length, alphabet):
+    """`n` distinct random strings of `length` characters from `alphabet` (a numpy array of characters)."""
+    if n > len(alphabet) ** length:
+        raise ValueError(f"cannot draw {n} distinct strings of length {length} from {len(alphabet)} characters")
+    out = {}
+    while len(out) < n:
+        word = "".join(rng.choice(alphabet, length))
+        out[word] = None
+    return list(out)
+
+
+def _values(rng, n, digits):
+    """`n` random digit strings of exactly `digits` digits (leading zeros allowed)."""
+    return ["".join(map(str, rng.integers(0, 10, digits))) for _ in range(n)]
+
+
+def associative_recall(rng, *, n_pairs: int = 16, n_queries: int = 4, key_len: int = 3,
+                       value_digits: int = 4) -> Example:
+    """'Pairs: abc=1234, ...\\nQueries: xyz=5678, abc=' -> '1234' (answered queries, then the asked one)."""
+    if not 1 <= n_queries <= n_pairs:
+        raise ValueError(f"associative_recall needs 1 <= n_queries <= n_pairs, got n_queries={n_queries}, "
+                         f"n_pairs={n_pairs}")
+    keys = _random_strings(rng, n_pairs, key_len, _LETTERS)
+    values = _values(rng, n_pairs, value_digits)
+    asked = rng.choice(n_pairs, n_queries, replace=False)
+    pairs = ", ".join(f"{k}={v}" for k, v in zip(keys, values))
+    answered = "".join(f"{keys[i]}={values[i]}, " for i in asked[:-1])
+    return Example(f"Pairs: {pairs}.\nQueries: {answered}{keys[asked[-1]]}=", values[asked[-1]])
+
+
+def needle(rng, *, n_sentences: int = 40, n_keys: int = 1, key_len: int = 5, value_digits: int = 4) -> Example:
+    """Filler sentences with `n_keys` needles 'The magic number for KEY is VALUE.'; asks one KEY -> its VALUE."""
+    if n_keys < 1:
+        raise ValueError(f"needle needs n_keys >= 1, got n_keys={n_keys}")
+    keys = _random_strings(rng, n_keys, key_len, _LETTERS)
+    values = _values(rng, n_keys, value_digits)
+    sentences = [_FILLER[i] for i in rng.integers(0, len(_FILLER), n_sentences)]
+    for key, value in zip(keys, values):
+        sentences.insert(int(rng.integers(0, len(sentences) + 1)), f"The magic number for {key} is {value}.")
+    asked = int(rng.integers(0, n_keys))
+    question = f"\nWhat is the magic number for {keys[asked]}? Answer:"
+    return Example(" ".join(sentences) + question, values[asked])
+
+
+def json_kv(rng, *, n_pairs: int = 16, key_len: int = 8, value_digits: int = 6) -> Example:
+    """'{"3f9a0c1e": "482193", ...}\\nKey: "3f9a0c1e"\\nValue:' -> '482193'."""
+    keys = _random_strings(rng, n_pairs, key_len, _HEX)
+    values = _values(rng, n_pairs, value_digits)
+    asked = int(rng.integers(0, n_pairs))
+    return Example(f'{json.dumps(dict(zip(keys, values)))}\nKey: "{keys[asked]}"\nValue:', values[asked])
+
+
+TASKS = {"associative_recall": associative_recall, "needle": needle, "json_kv": json_kv}
+
+
+def task_options(task: str) -> dict[str, int]:
+    """The keyword arguments `task` accepts and their defaults; raises naming the valid tasks if unknown."""
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; valid tasks: {sorted(TASKS)}")
+    params = inspect.signature(TASKS[task]).parameters.values()
+    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def make_examples(task: str, n: int, seed: int, **kwargs) -> list[Example]:
+    """`n` examples of `task` -> list[Example], deterministic given `seed`.
+
+    `kwargs` are the task's knobs (see `task_options(task)`), e.g. `n_pairs` / `n_sentences` for the length.
+    """
+    options = task_options(task)
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for task {task!r}; valid options: {sorted(options)}")
+    for name, value in kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"task option {name} must be an integer >= 1, got {name}={value!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be an integer >= 0, got n={n!r}")
+    rng = np.random.default_rng(seed)
+    return [TASKS[task](rng, **kwargs) for _ in range(n)]
+
+
+def score(predictions: list[str], examples: list[Example]) -> float:
+    """Exact-match accuracy in [0, 1]: a prediction counts if, whitespace-stripped, it starts with the answer.
+
+    `predictions[i]` is the model's continuation of `examples[i].prompt`.
+
+    >>> score(['1234 and more', ' 99'], [Example('a=', '1234'), Example('b=', '12')])
+    0.5
+    """
+    if len(predictions) != len(examples):
+        raise ValueError(f"got {len(predictions)} predictions for {len(examples)} examples")
+    if not examples:
+        raise ValueError("score needs at least one example, got none")
+    hits = [p.strip().startswith(ex.answer.strip()) for p, ex in zip(predictions, examples)]
+    return sum(hits) / len(hits)

@@ -1,0 +1,50 @@
+"""`python -m focal_jax.train --config experiments/X.py:ARG --workdir DIR [--config.key=value ...]`.
+
+Every process of a multi-host job runs this same command. `jax.distributed.initialize()` is called when the
+environment describes several processes: a Cloud TPU pod slice, a SLURM job with more than one task, or the
+`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` variables set by hand.
+"""
+
+import os
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "experiment config file, e.g. experiments/quickstart.py:runlocal",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots (resumed if it holds a run)")
+flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
+                  "call jax.distributed.initialize(): 'auto' when the environment describes several processes")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def multi_process_environment() -> bool:
+    """True on a multi-host TPU slice, in a SLURM job of several tasks, or with JAX_NUM_PROCESSES > 1."""
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        return True
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return True
+    return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every file operation at INFO
+    distributed = flags.FLAGS.distributed
+    if distributed == "on" or (distributed == "auto" and multi_process_environment()):
+        kwargs = {}
+        if "JAX_NUM_PROCESSES" in os.environ:
+            kwargs = dict(coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                          num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                          process_id=int(os.environ["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(**kwargs)
+    from focal_jax.train.trainer import train  # after initialize(): no JAX backend may start before it
+
+    train(flags.FLAGS.config, flags.FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

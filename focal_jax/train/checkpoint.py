@@ -1,0 +1,90 @@
+"""Checkpoints with orbax's `CheckpointManager`, and the one init precedence of a run.
+
+A checkpoint at step s holds the items `params` (the trainable parameters only when the run starts from a
+pretrained model, the whole model otherwise), `opt_state`, `data` (the data iterator's state, JSON) and `meta`
+(JSON: the config, `init_from`, which parameters were saved). Saving is asynchronous; orbax writes each step to a
+temporary directory and renames it when complete, so a crash during a save never leaves a partial step that looks
+like the latest one. Init precedence: resume the run's own workdir > `init_from` (a pretrained focal_jax workdir or a
+Hugging Face directory; only the parameters the config declares as new may be missing) > scratch.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from focal_jax.train.optimizer import path_str
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def make_manager(workdir: str, *, keep: int = 3, create: bool = True) -> ocp.CheckpointManager:
+    """The CheckpointManager over `WORKDIR/checkpoints`, keeping the last `keep` steps, saving asynchronously.
+    With `create=False` it makes no directory (for reading a workdir that may hold no run)."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=create)
+    handlers = {"params": ocp.StandardCheckpointHandler(), "opt_state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
+
+
+def save(manager: ocp.CheckpointManager, step: int, *, params, opt_state, data_state: dict, meta: dict,
+         force: bool = False) -> bool:
+    """Start an asynchronous save of step `step` (returns at once; `manager.wait_until_finished()` to block)."""
+    args = ocp.args.Composite(params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                              data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta))
+    return manager.save(step, args=args, force=force)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
+
+
+def restore(manager: ocp.CheckpointManager, step: int, *, params, opt_state, params_sharding, opt_sharding):
+    """`(params, opt_state, data_state, meta)` of step `step`, restored with the shapes, dtypes and shardings of
+    the given `params` / `opt_state` (abstract or concrete)."""
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params, params_sharding)),
+                              opt_state=ocp.args.StandardRestore(_abstract(opt_state, opt_sharding)),
+                              data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+    restored = manager.restore(step, args=args)
+    return restored["params"], restored["opt_state"], restored["data"], restored["meta"]
+
+
+def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
+    """`(step, meta)` of a focal_jax workdir's latest (or given) checkpoint; ValueError if it has none."""
+    manager = make_manager(workdir, create=False)
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise ValueError(f"{workdir!r} holds no checkpoint (looked in {checkpoint_dir(workdir)})")
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return step, meta
+
+
+def saved_param_paths(workdir: str, step: int) -> dict[str, tuple]:
+    """`{path: shape}` of the parameters saved in a workdir's checkpoint `step` (read from metadata only)."""
+    manager = make_manager(workdir, create=False)
+    tree = manager.item_metadata(step)["params"]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {path_str(p): tuple(m.shape) for p, m in flat}
+
+
+def load_params(workdir: str, step: int, target: dict, shardings: dict) -> dict:
+    """The parameters saved at `step` of `workdir`, as a pure dict with `target`'s structure, shapes, dtypes and
+    shardings. The checkpoint must hold exactly `target`'s parameters."""
+    manager = make_manager(workdir, create=False)
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(target, shardings)))
+    return manager.restore(step, args=args)["params"]
+
+
+def is_hf_directory(path: str) -> bool:
+    """A Hugging Face model directory: config.json next to safetensors weights."""
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def config_json(config) -> dict:
+    """The config as plain JSON data (what checkpoints store and resumes compare)."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))

@@ -1,0 +1,184 @@
+"""The trainer's config schema: every key with its default, and the checks that turn a `ConfigDict` into the
+frozen dataclasses the code uses (so that an unknown or misspelt key fails at once, with its name).
+
+    seed, total_steps, batch_size (global sequences per step), log_every, eval_every, eval_batches, ckpt_every,
+    keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, retrofit {focus, focal},
+    model {family, size, <LlamaConfig / GPT2Config fields>}, data {DataConfig fields}, optim {OptimConfig fields}
+"""
+
+import dataclasses
+import os
+import typing
+
+import jax.numpy as jnp
+import ml_collections
+
+from focal_jax.data.config import DataConfig
+from focal_jax.nn.gpt2 import GPT2Config
+from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
+from focal_jax.nn.retrofit import FocalConfig, FocusConfig
+from focal_jax.train.optimizer import OptimConfig
+
+FAMILIES = ("llama", "gpt2", "hf")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every top-level key the trainer reads, with its default (a tiny LLaMA on the builtin corpus)."""
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+    config.total_steps = 100
+    config.batch_size = 8
+    config.log_every = 10
+    config.eval_every = 50
+    config.eval_batches = 4
+    config.ckpt_every = 50
+    config.keep_checkpoints = 3
+    config.mesh = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+    config.compute_dtype = "bfloat16"  # activations and matmuls; parameters and optimizer state in param_dtype
+    config.param_dtype = "float32"
+    config.init_from = ml_collections.FieldReference(None, field_type=str)  # a focal_jax workdir or HF directory
+    config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None})
+    config.model = ml_collections.ConfigDict({"family": "llama", "size": "tiny"})
+    config.data = _section(DataConfig())
+    config.optim = _section(OptimConfig())
+    return config
+
+
+def _section(instance) -> ml_collections.ConfigDict:
+    """A ConfigDict of a dataclass's fields; fields that default to None become typed references, so that
+    `--config.data.cache_dir=DIR` can set them from the command line."""
+    hints = typing.get_type_hints(type(instance))
+    section = ml_collections.ConfigDict()
+    for field in dataclasses.fields(instance):
+        value = getattr(instance, field.name)
+        if value is None:
+            field_type = next(t for t in typing.get_args(hints[field.name]) if t is not type(None))
+            value = ml_collections.FieldReference(None, field_type=field_type)
+        section[field.name] = value
+    return section
+
+
+def _check_keys(where: str, keys, allowed):
+    unknown = sorted(set(keys) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(f'{where}{k}' for k in unknown)}; valid keys of {where or 'the config'}: "
+                         f"{sorted(allowed)}")
+
+
+def _as_dict(value) -> dict:
+    if value is None:
+        return {}
+    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+
+
+def _dataclass(cls, where: str, values: dict):
+    _check_keys(where, values, [f.name for f in dataclasses.fields(cls)])
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A checked trainer config: the scalar settings plus the frozen dataclasses built from the sections."""
+
+    seed: int
+    total_steps: int
+    batch_size: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    ckpt_every: int
+    keep_checkpoints: int
+    mesh: dict
+    compute_dtype: str
+    param_dtype: str
+    init_from: str | None
+    family: str
+    model: LlamaConfig | GPT2Config | None  # None for family 'hf' (the architecture comes from init_from)
+    retrofit: tuple  # FocalConfig / FocusConfig, applied in this order
+    data: DataConfig
+    optim: OptimConfig
+    raw: ml_collections.ConfigDict  # the config as given, stored in checkpoints
+
+
+def model_config(section: dict) -> tuple[str, LlamaConfig | GPT2Config | None]:
+    """`(family, model config)` from the `model` section: `family` 'llama' (with an optional Focal paper `size`,
+    then any LlamaConfig field), 'gpt2' (GPT2Config fields) or 'hf' (nothing else: built from `init_from`)."""
+    section = dict(section)
+    family = section.pop("family", "llama")
+    if family not in FAMILIES:
+        raise ValueError(f"model.family={family!r} is not one of {FAMILIES}")
+    if family == "hf":
+        _check_keys("model.", section, [])
+        return family, None
+    if family == "gpt2":
+        return family, _dataclass(GPT2Config, "model.", section)
+    size = section.pop("size", None)
+    _check_keys("model.", section, [f.name for f in dataclasses.fields(LlamaConfig)])
+    if size is None:
+        return family, LlamaConfig(**section)
+    if size not in FOCAL_SIZES:
+        raise ValueError(f"model.size={size!r} is not one of {tuple(FOCAL_SIZES)}")
+    return family, focal_config(size, **section)
+
+
+def check_config(config: ml_collections.ConfigDict) -> RunConfig:
+    """Validate `config` against `default_config()` and build a `RunConfig`; raises ValueError naming any unknown
+    key or bad value."""
+    defaults = default_config()
+    _check_keys("", config.keys(), defaults.keys())
+    merged = {k: config.get(k, defaults[k]) for k in defaults.keys()}
+    for name in ("total_steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+    if not isinstance(merged["eval_batches"], int) or merged["eval_batches"] < 0:
+        raise ValueError(f"eval_batches must be an integer >= 0, got eval_batches={merged['eval_batches']!r}")
+    for name in ("compute_dtype", "param_dtype"):
+        if merged[name] not in DTYPES:
+            raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
+    mesh = _as_dict(merged["mesh"])
+    _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
+    retrofit_section = _as_dict(merged["retrofit"])
+    _check_keys("retrofit.", retrofit_section, ("focus", "focal"))
+    retrofit = []
+    if retrofit_section.get("focal"):
+        retrofit.append(_dataclass(FocalConfig, "retrofit.focal.", _as_dict(retrofit_section["focal"])))
+    if retrofit_section.get("focus"):
+        retrofit.append(_dataclass(FocusConfig, "retrofit.focus.", _as_dict(retrofit_section["focus"])))
+    family, model = model_config(_as_dict(merged["model"]))
+    init_from = merged["init_from"]
+    if family == "hf" and not init_from:
+        raise ValueError("model.family='hf' builds the model from a Hugging Face directory: set init_from")
+    if init_from and not os.path.isdir(os.path.expanduser(init_from)):
+        raise ValueError(f"init_from={init_from!r} is not a directory (a focal_jax workdir or a Hugging Face "
+                         f"model directory)")
+    return RunConfig(
+        seed=merged["seed"], total_steps=merged["total_steps"], batch_size=merged["batch_size"],
+        log_every=merged["log_every"], eval_every=merged["eval_every"], eval_batches=merged["eval_batches"],
+        ckpt_every=merged["ckpt_every"], keep_checkpoints=merged["keep_checkpoints"], mesh=mesh,
+        compute_dtype=merged["compute_dtype"], param_dtype=merged["param_dtype"],
+        init_from=os.path.expanduser(init_from) if init_from else None, family=family, model=model,
+        retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
+        optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config)
+
+
+# Keys that may change when a run resumes from its own workdir (everything else must match the stored config).
+RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
+                     "mesh")
+
+
+def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES`."""
+    diffs = []
+    for key in sorted(set(stored) | set(current)):
+        if not prefix and key in RESUMABLE_CHANGES:
+            continue
+        a, b = stored.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} (stored) vs {b!r} (now)")
+    return diffs

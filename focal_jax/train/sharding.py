@@ -1,0 +1,98 @@
+"""Device mesh `('data', 'fsdp', 'tensor')`, parameter sharding by logical axis rules, and batch sharding.
+
+Parameters get logical axis names from their path (`LOGICAL_AXES`, first match wins), and logical names map to mesh
+axes through `RULES`. A dimension is split only when the mesh axis divides it; otherwise it stays replicated. Batches
+are split over `('data', 'fsdp')` along the batch dimension; each process feeds its own rows
+(`jax.make_array_from_process_local_data`).
+"""
+
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from focal_jax.train.optimizer import path_str
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# (regex on the parameter path, logical name of each dimension). LLaMA family and GPT-2 names.
+LOGICAL_AXES = (
+    (r"(embed_tokens|wte)/embedding$", ("vocab", "embed")),
+    (r"wpe/embedding$", (None, "embed")),
+    (r"(q_proj|k_proj|v_proj)/kernel$", ("embed", "heads")),
+    (r"(q_proj|k_proj|v_proj)/bias$", ("heads",)),
+    (r"o_proj/kernel$", ("heads", "embed")),
+    (r"(gate_proj|up_proj|c_fc)/kernel$", ("embed", "mlp")),
+    (r"c_fc/bias$", ("mlp",)),
+    (r"(down_proj|c_proj)/kernel$", ("mlp", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+)
+RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+
+
+def make_mesh(shape: dict) -> Mesh:
+    """A mesh over all devices (of every process) with axes `('data', 'fsdp', 'tensor')`. `shape` maps each axis
+    to its size; at most one size may be -1 (the rest of the devices), e.g. `{'data': -1, 'fsdp': 1, 'tensor': 1}`."""
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh has unknown axes {sorted(unknown)}; the axes are {MESH_AXES}")
+    sizes = [int(shape.get(axis, 1)) for axis in MESH_AXES]
+    n = jax.device_count()
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be >= 1, with at most one -1; got {dict(zip(MESH_AXES, sizes))}")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if n % known:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} does not fit {n} devices")
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices, but there are {n}")
+    # Auto axes: XLA's sharding propagation places the activations (the parameters and batches are placed here).
+    return jax.make_mesh(tuple(sizes), MESH_AXES, devices=jax.devices(),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_axes(path: str, ndim: int) -> tuple:
+    """Logical axis names of the parameter at `path` (all None for anything not in `LOGICAL_AXES`)."""
+    for pattern, names in LOGICAL_AXES:
+        if re.search(pattern, path) and len(names) == ndim:
+            return names
+    return (None,) * ndim
+
+
+def partition_spec(path: str, shape: tuple, mesh: Mesh) -> P:
+    """The PartitionSpec of a parameter: its logical axes through `RULES`, a dimension split only when the mesh
+    axis divides it."""
+    spec = []
+    for name, size in zip(logical_axes(path, len(shape)), shape):
+        axis = RULES.get(name)
+        spec.append(axis if axis is not None and mesh.shape[axis] > 1 and size % mesh.shape[axis] == 0 else None)
+    return P(*spec)
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """NamedShardings for every leaf of a parameter pytree, or of an optimizer state whose leaves sit under the
+    parameter paths (Adam's `mu` / `nu`: the path regexes match their suffixes). Scalars are replicated."""
+    def leaf_sharding(path, x):
+        return NamedSharding(mesh, partition_spec(path_str(path), np.shape(x), mesh))
+    return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays `[batch, seq]`: batch split over `('data', 'fsdp')`."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def shard_batch(local_batch: dict, mesh: Mesh) -> dict:
+    """Global arrays from this process's rows: `{name: [local_batch, seq]}` numpy -> `{name: [global_batch, seq]}`
+    jax arrays sharded by `batch_sharding`."""
+    sharding = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways the batch is split (data x fsdp): the global batch must be a multiple of it."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]

@@ -1,0 +1,314 @@
+"""The training loop: one linear function, `train(config, workdir)`, from one CPU to a multi-host pod.
+
+Launch: `python -m focal_jax.train --config experiments/quickstart.py:runlocal --workdir /tmp/run`.
+The step is `nnx.split` -> `jax.value_and_grad` -> `jax.jit` on pure pytrees (the trainable parameters as a plain
+dict, the frozen ones as another), with `nnx.merge` inside the loss, so NNX API changes cannot reach it.
+"""
+
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from focal_jax.convert.hf import from_hf
+from focal_jax.data import build_data, train_iterator
+from focal_jax.nn.gpt2 import GPT2
+from focal_jax.nn.llama import Llama
+from focal_jax.nn.retrofit import retrofit
+from focal_jax.nn.variables import Centroid, Temperature
+from focal_jax.train import checkpoint
+from focal_jax.train.config import DTYPES, RunConfig, check_config, config_differences
+from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
+from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, param_paths, path_str,
+                                       split_trainable)
+from focal_jax.train.plot import plot_losses
+from focal_jax.train.sharding import data_parallel_size, make_mesh, shard_batch, tree_shardings
+
+
+def log(message: str):
+    """Print on process 0 only."""
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def build_model(run: RunConfig, *, seed: int):
+    """The model of `run` with freshly initialised parameters, or loaded from a Hugging Face `init_from`."""
+    if run.family == "hf":
+        return from_hf(run.init_from)
+    cls = GPT2 if run.family == "gpt2" else Llama
+    return cls(run.model, rngs=nnx.Rngs(seed))
+
+
+def new_param_paths(model) -> set[str]:
+    """Paths of the parameters a retrofit or a new attention kind adds (`Centroid`, `Temperature`): the only ones
+    that may be missing from a pretrained checkpoint."""
+    return set(param_paths(nnx.state(model, nnx.Any(nnx.OfType(Centroid), nnx.OfType(Temperature)))))
+
+
+def load_pretrained(model, workdir: str):
+    """Copy the parameters of a focal_jax workdir's latest checkpoint into `model` in place. Parameters the
+    checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself started from a
+    pretrained model (trainable parameters only) first loads its own `init_from`. Returns the model."""
+    step, meta = checkpoint.read_meta(workdir)
+    if meta.get("params_scope") == "trainable":
+        base = meta.get("init_from")
+        if not base:
+            raise ValueError(f"{workdir!r} saved only its trainable parameters but records no init_from")
+        if checkpoint.is_hf_directory(base):
+            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}: use model.family="
+                             f"'hf' with init_from={base!r} and resume that run instead")
+        load_pretrained(model, base)
+    saved = checkpoint.saved_param_paths(workdir, step)
+    state = nnx.state(model, nnx.Param)
+    shapes = {path_str(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+    extra = sorted(set(saved) - set(shapes))
+    if extra:
+        raise ValueError(f"init_from={workdir!r} holds parameters the model does not have: {extra[:5]}"
+                         f"{' ...' if len(extra) > 5 else ''}")
+    wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if saved[p] != shapes[p]]
+    if wrong:
+        raise ValueError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
+    missing = set(shapes) - set(saved)
+    if meta.get("params_scope") != "trainable":
+        undeclared = sorted(missing - new_param_paths(model))
+        if undeclared:
+            raise ValueError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
+                             f"{undeclared[:5]}{' ...' if len(undeclared) > 5 else ''}")
+    _, loaded_state, _ = nnx.split(model, lambda path, _: path_str(path) in saved, ...)
+    loaded = nnx.to_pure_dict(loaded_state)
+    shardings = jax.tree.map(lambda x: x.sharding, loaded)
+    values = checkpoint.load_params(workdir, step, loaded, shardings)
+    nnx.update(model, values)
+    log(f"loaded {len(saved)} parameters of {workdir} (step {step})"
+        + (f"; new: {sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}" if missing else ""))
+    return model
+
+
+def init_model(run: RunConfig):
+    """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
+    pretrained `init_from` workdir's parameters, then the retrofits."""
+    model = build_model(run, seed=run.seed)
+    if run.init_from and run.family != "hf":
+        if checkpoint.is_hf_directory(run.init_from):
+            raise ValueError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
+        load_pretrained(model, run.init_from)
+    for change in run.retrofit:
+        model = retrofit(model, change, rngs=run.seed)
+    return model
+
+
+def load_model(workdir: str):
+    """The model of a focal_jax run directory with the parameters of its latest checkpoint (for evaluation,
+    generation, export)."""
+    _, meta = checkpoint.read_meta(workdir)
+    model = init_model(check_config(ml_collections.ConfigDict(meta["config"])))
+    return load_pretrained(model, workdir)
+
+
+def matmul_param_count(model) -> int:
+    """Parameters that take part in matmuls (for the FLOP estimate): all but the position table and an untied
+    input-embedding table (lookups)."""
+    tied = getattr(model.config, "tie_embeddings", isinstance(model, GPT2))
+    sizes = {path_str(p): x.size for p, x in jax.tree_util.tree_flatten_with_path(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+    lookups = [p for p in sizes if p == "wpe/embedding" or (p == "embed_tokens/embedding" and not tied)]
+    return sum(sizes.values()) - sum(sizes[p] for p in lookups)
+
+
+def cast_floats(tree, dtype):
+    """Floating leaves of `tree` cast to `dtype` (integers untouched)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def masked_nll(logits, targets, loss_mask):
+    """`(sum of -log p(target), number of targets)` over the positions where `loss_mask` is 1.
+    logits `[B, T, V]`, targets int `[B, T]`, loss_mask `[B, T]`."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
+
+
+def make_steps(graphdef, tx, compute_dtype):
+    """`(train_step, eval_step)`, pure functions of (trainable dict, opt_state, frozen dict, batch)."""
+    def loss_fn(trainable, frozen, batch):
+        model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype), cast_floats(frozen, compute_dtype))
+        logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        total, count = masked_nll(logits, batch["targets"], batch["loss_mask"])
+        return total / jnp.maximum(count, 1.0), count
+
+    def train_step(trainable, opt_state, frozen, batch):
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        return trainable, opt_state, metrics
+
+    def eval_step(trainable, frozen, batch):
+        loss, count = loss_fn(trainable, frozen, batch)
+        return loss * count, count
+
+    return train_step, eval_step
+
+
+def evaluate(eval_step, trainable, frozen, batches, mesh) -> dict:
+    """Held-out loss (mean over target tokens) and perplexity."""
+    total, count = 0.0, 0.0
+    for batch in batches:
+        t, c = eval_step(trainable, frozen, shard_batch(batch, mesh))
+        total, count = total + float(t), count + float(c)
+    loss = total / max(count, 1.0)
+    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "tokens": count}
+
+
+class StopSignal:
+    """Remembers a SIGTERM (preemption) so that the loop saves a checkpoint and stops at the next step."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = None
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
+    """Train as `config` (an `ml_collections.ConfigDict`, see `focal_jax.train.config`) says, in `workdir`.
+
+    Resumes from the workdir's latest checkpoint when there is one. `stop_after` stops (with a checkpoint) once that
+    step is done, as a preemption would (tests use it). Returns the train metrics records logged by this call.
+    """
+    # ---------------------------------------------------------------- Config, devices, workdir
+    run = check_config(config)
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    mesh = make_mesh(run.mesh)
+    if run.batch_size % data_parallel_size(mesh):
+        raise ValueError(f"batch_size={run.batch_size} must be a multiple of the data-parallel size "
+                         f"{data_parallel_size(mesh)} (mesh {dict(mesh.shape)})")
+    manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
+    resume_step = manager.latest_step()
+    if resume_step is not None:
+        _, meta = checkpoint.read_meta(workdir, resume_step)
+        diffs = config_differences(meta["config"], checkpoint.config_json(config))
+        if diffs:
+            raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
+                             f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
+    log(f"devices: {jax.device_count()} ({jax.devices()[0].device_kind}) in {jax.process_count()} process(es), "
+        f"mesh {dict(mesh.shape)}; workdir {workdir}")
+
+    # ---------------------------------------------------------------- Data
+    data = build_data(run.data, global_batch=run.batch_size, seed=run.seed, workdir=workdir)
+    log(f"data: {run.data.source}, {data.n_train_rows} rows of {run.data.seq_len} tokens "
+        f"({data.n_train_tokens:,} tokens), vocab {data.tokenizer.vocab_size}")
+
+    # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
+    model = init_model(run)
+    vocab = model.config.vocab_size
+    if vocab < data.tokenizer.vocab_size:
+        raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
+                         f"set model.vocab_size or data.vocab_size")
+    model_config = model.config
+    n_matmul = matmul_param_count(model)
+    graphdef, trainable, frozen = split_trainable(model, run.optim)
+    del model
+    param_dtype = DTYPES[run.param_dtype]
+    trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
+    n_trainable = sum(x.size for x in jax.tree.leaves(trainable))
+    n_total = n_trainable + sum(x.size for x in jax.tree.leaves(frozen))
+    log(f"model: {run.family}, {n_total:,} parameters, {n_trainable:,} trainable ({run.optim.trainable}"
+        f"{', /' + run.optim.trainable_regex + '/' if run.optim.trainable_regex else ''})")
+
+    # ---------------------------------------------------------------- Optimizer, sharding
+    tx = make_optimizer(run.optim, run.total_steps)
+    trainable_sharding, frozen_sharding = tree_shardings(trainable, mesh), tree_shardings(frozen, mesh)
+    trainable = jax.device_put(trainable, trainable_sharding)
+    frozen = jax.device_put(frozen, frozen_sharding)
+    opt_sharding = tree_shardings(jax.eval_shape(tx.init, trainable), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(trainable)
+
+    # ---------------------------------------------------------------- Resume
+    data_iter = train_iterator(data)
+    start_step = 0
+    if resume_step is not None:
+        trainable, opt_state, data_state, _ = checkpoint.restore(
+            manager, resume_step, params=trainable, opt_state=opt_state, params_sharding=trainable_sharding,
+            opt_sharding=opt_sharding)
+        data_iter.set_state(data_state)
+        start_step = resume_step
+        log(f"resumed from {checkpoint.checkpoint_dir(workdir)} at step {start_step}")
+    manager.close()
+    meta = {"config": checkpoint.config_json(config), "init_from": run.init_from,
+            "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable)}
+
+    # ---------------------------------------------------------------- Compiled steps
+    train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype])
+    train_step = jax.jit(train_step, donate_argnums=(0, 1),
+                         out_shardings=(trainable_sharding, opt_sharding, None))
+    eval_step = jax.jit(eval_step)
+    eval_batches = data.eval_batches(run.eval_batches) if run.eval_batches else []
+    tokens_per_step = run.batch_size * run.data.seq_len
+    head_dim = getattr(model_config, "head_dim", None) or model_config.d_model // model_config.n_heads
+    width = model_config.n_heads * head_dim
+    flops_per_token = train_flops_per_token(n_matmul, model_config.n_layers, run.data.seq_len, width)
+    lr_schedule = learning_rate_schedule(run.optim, run.total_steps)
+    peak = peak_flops()
+
+    # ---------------------------------------------------------------- Loop
+    os.makedirs(workdir, exist_ok=True)
+    manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints)
+    writer = MetricWriter(workdir, resume_step=start_step)
+    progress = Progress(run.total_steps, initial_step=start_step)
+    logged, last_time, last_step = [], time.perf_counter(), start_step
+    with StopSignal() as stop:
+        for step in range(start_step + 1, run.total_steps + 1):
+            batch = shard_batch(next(data_iter), mesh)
+            trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
+
+            if step % run.log_every == 0 or step == run.total_steps:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
+                last_time, last_step = now, step
+                metrics.update(lr=float(lr_schedule(step - 1)), tokens_per_s=tokens_per_s)
+                utilisation = mfu(tokens_per_s, flops_per_token, jax.device_count(), peak)
+                if utilisation is not None:
+                    metrics["mfu"] = utilisation
+                writer.write(step, metrics)
+                logged.append({"step": step, **metrics})
+                progress.update(step, loss=metrics["loss"], tokens_per_s=tokens_per_s, mfu=utilisation)
+
+            if eval_batches and (step % run.eval_every == 0 or step == run.total_steps):
+                writer.write(step, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
+
+            stopping = stop.received or step == stop_after or manager.reached_preemption(step)
+            if step % run.ckpt_every == 0 or step == run.total_steps or stopping:
+                checkpoint.save(manager, step, params=trainable, opt_state=opt_state,
+                                data_state=data_iter.get_state(), meta={**meta, "step": step}, force=True)
+            if stopping:
+                log(f"stopping at step {step} ({'SIGTERM' if stop.received else 'requested'}); checkpoint saved")
+                break
+    # ---------------------------------------------------------------- Finish
+    manager.wait_until_finished()
+    manager.close()
+    progress.close()
+    writer.close()
+    if jax.process_index() == 0 and logged:
+        log(f"loss curve: {plot_losses([workdir], os.path.join(workdir, 'loss.png'))}")
+    return logged
+

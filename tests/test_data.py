@@ -1,0 +1,457 @@
+"""focal_jax.data: sources, builtin corpus, tokenizer, packing, synthetic tasks and the grain pipeline.
+
+Most tests use a small synthetic corpus and a 320-piece tokenizer cached once per session; one test trains on the
+builtin corpus at the default vocabulary size.
+"""
+
+import collections
+import json
+import os
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from focal_jax.data import (DataConfig, Tokenizer, build_data, builtin_corpus, cached_tokenizer, load_tokenizer,
+                            make_examples, pack, read_documents, score, train_iterator, train_tokenizer)
+from focal_jax.data import tokenizer as tokenizer_module
+from focal_jax.data.synthetic import Example
+
+VOCAB = 320
+SEQ = 32
+
+
+def check_raises(fn, *needles, error=ValueError):
+    """fn() raises `error` whose message contains every needle (a str, or a compiled regex)."""
+    with pytest.raises(error) as info:
+        fn()
+    msg = str(info.value)
+    for needle in needles:
+        found = needle.search(msg) if isinstance(needle, re.Pattern) else needle in msg
+        assert found, f"{needle!r} not in: {msg}"
+    return msg
+
+
+def words(n, seed):
+    """`n` short documents of random English-ish words (a small, fast corpus for tokenizer tests)."""
+    rng = np.random.default_rng(seed)
+    vocab = "the a of to and in data model token attention focus group sparse local window key value".split()
+    return [" ".join(rng.choice(vocab, int(rng.integers(5, 40)))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tokenizers"))
+
+
+def synthetic_config(cache_dir, **overrides):
+    settings_ = dict(source="synthetic", task="associative_recall", task_kwargs={"n_pairs": 6, "n_queries": 2},
+                     n_synthetic=200, vocab_size=VOCAB, cache_dir=cache_dir, seq_len=SEQ, eval_fraction=0.1)
+    return DataConfig(**{**settings_, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DataConfig
+
+
+def test_config_normalises_paths_and_task_kwargs():
+    assert DataConfig(source="text", paths="a/*.txt, b.txt").paths == ("a/*.txt", "b.txt")
+    assert DataConfig(source="text", paths=["a.txt"]).paths == ("a.txt",)
+    config = DataConfig(source="synthetic", task="needle", task_kwargs={"n_sentences": 9, "n_keys": 2})
+    assert config.task_kwargs == (("n_keys", 2), ("n_sentences", 9))
+    assert DataConfig(source="synthetic", task="needle", task_kwargs=[("n_sentences", 9), ("n_keys", 2)]) == config
+    assert hash(config) == hash(DataConfig(source="synthetic", task="needle", task_kwargs=config.task_kwargs))
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("source", "csv", "jsonl"),  # unknown choices list the valid ones
+    ("task", "sorting", "json_kv"),
+    ("paths", 3, None),
+    ("field", "", None),
+    ("n_synthetic", 0, None),
+    ("vocab_size", 100, None),
+    ("vocab_size", 2000.0, None),
+    ("seq_len", 1, None),
+    ("eval_fraction", 1.0, None),
+    ("eval_fraction", -0.1, None),
+    ("shuffle", "yes", None),
+    ("tokenizer", 5, None),
+    ("cache_dir", "", None),
+])
+def test_config_errors_name_the_field_and_value(field, value, needle):
+    msg = check_raises(lambda: DataConfig(**{field: value}), re.compile(rf"\b{field}\b"), repr(value))
+    if needle:
+        assert needle in msg
+
+
+def test_config_errors_for_file_source_without_paths_and_unknown_task_option():
+    check_raises(lambda: DataConfig(source="jsonl"), "paths", "jsonl")
+    check_raises(lambda: DataConfig(task="needle", task_kwargs={"n_pairs": 3}), "n_pairs", "n_sentences")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def test_text_source_reads_each_file_as_one_document_in_sorted_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second\nfile")
+    (tmp_path / "a.txt").write_text("first file é")
+    (tmp_path / "empty.txt").write_text("")
+    docs = read_documents(DataConfig(source="text", paths=str(tmp_path / "*.txt")))
+    assert docs == ["first file é", "second\nfile"]
+
+
+def test_jsonl_source_and_missing_field_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "one", "id": 1}\n\n{"text": "two"}\n')
+    assert read_documents(DataConfig(source="jsonl", paths=[str(path)])) == ["one", "two"]
+    assert read_documents(DataConfig(source="jsonl", paths=[str(path)], field="text")) == ["one", "two"]
+    path.write_text('{"text": "one"}\n{"body": "two"}\n')
+    check_raises(lambda: read_documents(DataConfig(source="jsonl", paths=[str(path)])),
+                 str(path), "line 2", "'text'", "body")
+
+
+def test_parquet_source_and_missing_column_names_the_columns(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    pq.write_table(pa.table({"content": ["alpha", "beta", None], "n": [1, 2, 3]}), path)
+    assert read_documents(DataConfig(source="parquet", paths=[path], field="content")) == ["alpha", "beta"]
+    check_raises(lambda: read_documents(DataConfig(source="parquet", paths=[path])), path, "'text'", "content", "'n'")
+
+
+def test_array_record_source(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = str(tmp_path / "d.array_record")
+    writer = ArrayRecordWriter(path, "group_size:1")
+    for text in ["record one", "record two ü"]:
+        writer.write(text.encode("utf-8"))
+    writer.close()
+    assert read_documents(DataConfig(source="array_record", paths=[path])) == ["record one", "record two ü"]
+
+
+def test_missing_glob_and_no_documents(tmp_path):
+    pattern = str(tmp_path / "nothing*.jsonl")
+    check_raises(lambda: read_documents(DataConfig(source="jsonl", paths=pattern)), pattern, error=FileNotFoundError)
+    (tmp_path / "empty.txt").write_text("")
+    check_raises(lambda: read_documents(DataConfig(source="text", paths=str(tmp_path / "*.txt"))), "no documents")
+
+
+def test_synthetic_source_is_prompt_plus_answer():
+    config = DataConfig(source="synthetic", task="json_kv", task_kwargs={"n_pairs": 3}, n_synthetic=5)
+    examples = make_examples("json_kv", 5, seed=0, n_pairs=3)
+    assert read_documents(config) == [ex.prompt + ex.answer for ex in examples]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Synthetic tasks
+
+
+@pytest.mark.parametrize("task, knob", [("associative_recall", "n_pairs"), ("needle", "n_sentences"),
+                                        ("json_kv", "n_pairs")])
+def test_synthetic_tasks_are_deterministic_and_grow_with_the_length_knob(task, knob):
+    a, b, c = (make_examples(task, 20, seed=s) for s in (3, 3, 4))
+    assert a == b and a != c
+    assert all(isinstance(ex, Example) and ex.answer.isdigit() and not ex.prompt.endswith(" ") for ex in a)
+    short, long = (make_examples(task, 10, seed=0, **{knob: n}) for n in (4, 40))
+    assert min(len(ex.prompt) for ex in long) > 3 * max(len(ex.prompt) for ex in short)
+
+
+def test_synthetic_answers_are_found_in_the_context():
+    for ex in make_examples("associative_recall", 30, seed=1, n_pairs=10, n_queries=3):
+        context, queries = ex.prompt.split("\nQueries: ")
+        pairs = dict(re.findall(r"\b([a-z]{3})=(\d{4})\b", context))
+        answered = re.findall(r"\b([a-z]{3})=(\d{4})\b", queries)
+        assert len(pairs) == 10 and len(answered) == 2 and all(pairs[k] == v for k, v in answered)
+        assert pairs[queries.split(", ")[-1].removesuffix("=")] == ex.answer
+    for ex in make_examples("needle", 30, seed=1, n_sentences=30, n_keys=3):
+        key = re.search(r"What is the magic number for (\w+)\?", ex.prompt).group(1)
+        assert f"The magic number for {key} is {ex.answer}." in ex.prompt
+        assert ex.prompt.count("The magic number for") == 3
+    for ex in make_examples("json_kv", 30, seed=1, n_pairs=7):
+        obj_text, key_line, _ = ex.prompt.split("\n")
+        obj = json.loads(obj_text)
+        assert len(obj) == 7 and obj[json.loads(key_line.removeprefix("Key: "))] == ex.answer
+
+
+def test_score():
+    examples = make_examples("needle", 10, seed=0, n_sentences=5)
+    assert score([ex.answer for ex in examples], examples) == 1.0
+    assert score([f"  {ex.answer} and more\n" for ex in examples], examples) == 1.0
+    assert score(["x" + ex.answer for ex in examples], examples) == 0.0
+    assert score([ex.answer if i < 4 else "" for i, ex in enumerate(examples)], examples) == 0.4
+    check_raises(lambda: score(["1"], examples), "1 predictions", "10 examples")
+
+
+def test_synthetic_errors():
+    check_raises(lambda: make_examples("sorting", 1, seed=0), "sorting", "needle")
+    check_raises(lambda: make_examples("needle", 1, seed=0, n_pairs=3), "n_pairs", "n_sentences")
+    check_raises(lambda: make_examples("associative_recall", 1, seed=0, n_pairs=2, n_queries=3), "n_queries=3")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(cache_dir):
+    return cached_tokenizer(words(200, seed=0), VOCAB, cache_dir)
+
+
+def test_tokenizer_special_ids_and_exact_round_trip(small_tokenizer):
+    tok = small_tokenizer
+    assert (tok.vocab_size, tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (VOCAB, 0, 1, 2, 3)
+    text = "the data model\n\n  attends   locally:\tx=1234 é 中 😀"
+    ids = tok.encode(text)
+    assert tok.unk_id not in ids and tok.decode(ids) == text and tok.decode(np.array(ids)) == text
+    assert tok.encode_batch([text, "key"]) == [ids, tok.encode("key")]
+    assert len(tok.encode("the attention")) < len("the attention")  # merges were learned
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(max_size=60))
+def test_tokenizer_round_trips_any_text(small_tokenizer, text):
+    assert small_tokenizer.decode(small_tokenizer.encode(text)) == text
+
+
+def test_tokenizer_errors(tmp_path):
+    check_raises(lambda: load_tokenizer(str(tmp_path / "no.model")), "no.model", error=FileNotFoundError)
+    docs = words(20, seed=1)
+    check_raises(lambda: train_tokenizer(docs, 5000, str(tmp_path / "t.model")), "vocab_size=5000", "too large",
+                 "20 documents")
+    check_raises(lambda: train_tokenizer(docs, 262, str(tmp_path / "t.model")), "vocab_size=262", "too small")
+    assert not list(tmp_path.iterdir())  # nothing (not even a temporary file) left behind
+
+
+def test_cached_tokenizer_reuses_and_keys_on_documents(tmp_path, monkeypatch, capsys):
+    docs = words(100, seed=2)
+    first = cached_tokenizer(docs, VOCAB, str(tmp_path))
+    assert capsys.readouterr().out.count("\n") == 1  # one progress line
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(first.path)]
+
+    def no_training(*args):
+        raise AssertionError("retrained although cached")
+
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", no_training)
+    again = cached_tokenizer(docs, VOCAB, str(tmp_path))
+    assert again.path == first.path and again.encode("the key") == first.encode("the key")
+    for changed in ([*docs, "one more document"], docs[:-1]):
+        with pytest.raises(AssertionError, match="retrained"):
+            cached_tokenizer(changed, VOCAB, str(tmp_path))
+    with pytest.raises(AssertionError, match="retrained"):
+        cached_tokenizer(docs, VOCAB + 10, str(tmp_path))
+
+
+def test_builtin_corpus_and_its_tokenizer(tmp_path, monkeypatch):
+    docs = builtin_corpus()
+    assert docs is builtin_corpus()  # cached in-process
+    assert sum(len(d.encode()) for d in docs) > 1_500_000 and len(docs) > 300
+    assert any("assert_stmt ::=" in d for d in docs)  # a pydoc topic
+    import inspect
+    import textwrap  # an independent reference: the docstrings, as Python itself reports them
+
+    module_doc = next(d for d in docs if d.startswith(inspect.getdoc(textwrap)))
+    assert inspect.getdoc(textwrap.dedent) in module_doc and inspect.getdoc(textwrap.TextWrapper) in module_doc
+    assert all(isinstance(d, str) and d for d in docs)
+
+    tok = cached_tokenizer(docs, 2000, str(tmp_path))
+    assert tok.vocab_size == 2000
+    sample = docs[0][:2000]
+    assert tok.decode(tok.encode(sample)) == sample
+    assert len(tok.encode(sample)) < len(sample) / 2.5  # a real vocabulary: well under a token per 2.5 characters
+    mtime = os.stat(tok.path).st_mtime_ns
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", lambda *a: pytest.fail("retrained although cached"))
+    assert cached_tokenizer(docs, 2000, str(tmp_path)).path == tok.path
+    assert os.stat(tok.path).st_mtime_ns == mtime
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+def naive_pack(docs, seq_len):
+    """Token-by-token reference for `pack`: rows of seq_len, segments renumbered per row, positions restart at
+    each segment start and at each row start, target = next token of the same document."""
+    stream = [(int(tok), d) for d, doc in enumerate(docs) for tok in doc]
+    n_rows = -(-len(stream) // seq_len)
+    out = {k: np.zeros((n_rows, seq_len), np.int64) for k in ("inputs", "targets", "segment_ids", "positions")}
+    out["loss_mask"] = np.zeros((n_rows, seq_len))
+    for r in range(n_rows):
+        segment, position, previous = 0, 0, None
+        for t in range(seq_len):
+            i = r * seq_len + t
+            if i >= len(stream):
+                break
+            token, d = stream[i]
+            if d != previous:
+                segment, position, previous = segment + 1, 0, d
+            out["inputs"][r, t], out["segment_ids"][r, t], out["positions"][r, t] = token, segment, position
+            position += 1
+            if i + 1 < len(stream) and stream[i + 1][1] == d:
+                out["targets"][r, t], out["loss_mask"][r, t] = stream[i + 1][0], 1
+    return out
+
+
+def test_pack_hand_checked_example():
+    docs = [np.array([2, 5, 6, 3]), np.array([2, 7, 3]), np.array([2, 8, 9, 10, 3]), np.array([2, 3])]
+    out = pack(docs, 4)
+    assert out["inputs"].tolist() == [[2, 5, 6, 3], [2, 7, 3, 2], [8, 9, 10, 3], [2, 3, 0, 0]]
+    # the third document starts at the end of row 1: its first target is the first input of row 2
+    assert out["targets"].tolist() == [[5, 6, 3, 0], [7, 3, 0, 8], [9, 10, 3, 0], [3, 0, 0, 0]]
+    assert out["loss_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 1], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 2], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert out["positions"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 0, 0]]
+    for key, dtype in [("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
+                       ("positions", np.int32), ("loss_mask", np.float32)]:
+        assert out[key].dtype == dtype and out[key].shape == (4, 4)
+
+
+documents = st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=30).map(np.array), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(documents, st.integers(1, 17))
+def test_pack_matches_reference_and_recovers_every_bigram(docs, seq_len):
+    out = pack(docs, seq_len)
+    expected = naive_pack(docs, seq_len)
+    for key in expected:
+        np.testing.assert_array_equal(out[key], expected[key], err_msg=key)
+    m = out["loss_mask"] > 0
+    pairs = collections.Counter(zip(out["inputs"][m].tolist(), out["targets"][m].tolist()))
+    bigrams = collections.Counter((int(a), int(b)) for doc in docs for a, b in zip(doc[:-1], doc[1:]))
+    assert pairs == bigrams
+    # inside a row, a trained target is the next input of the same segment
+    inner = m[:, :-1]
+    np.testing.assert_array_equal(out["targets"][:, :-1][inner], out["inputs"][:, 1:][inner])
+    assert (out["segment_ids"][:, :-1][inner] == out["segment_ids"][:, 1:][inner]).all()
+    # padding is masked and every row starts a segment at position 0
+    assert not m[out["segment_ids"] == 0].any() and (out["positions"][:, 0] == 0).all()
+
+
+def test_pack_errors():
+    check_raises(lambda: pack([np.array([1, 2])], 0), "seq_len=0")
+    check_raises(lambda: pack([], 4), "at least one document")
+    check_raises(lambda: pack([np.array([1]), np.array([])], 4), "token_docs[1]")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pipeline
+
+
+def rows_of(batches):
+    """Batches (dicts of [b, seq]) -> one dict of all their rows [sum b, seq]."""
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+
+def test_train_batches_shapes_and_epochs(cache_dir):
+    data = build_data(synthetic_config(cache_dir), global_batch=4, seed=0, process_index=0, process_count=1)
+    assert data.tokenizer.vocab_size == VOCAB and data.n_train_documents + data.n_eval_documents == 200
+    batch = next(train_iterator(data))
+    assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "loss_mask"}
+    for key, value in batch.items():
+        assert value.shape == (4, SEQ) and value.dtype == (np.float32 if key == "loss_mask" else np.int32)
+    # each epoch is a permutation of the packed rows, and the next epoch is shuffled differently
+    n = data.n_train_rows
+    steps = -(-2 * n // 4)
+    rows = rows_of([data.train[s] for s in range(steps)])["inputs"]
+    epoch1, epoch2 = rows[:n], rows[n:2 * n]
+    assert sorted(map(tuple, epoch1.tolist())) == sorted(map(tuple, epoch2.tolist()))
+    assert not np.array_equal(epoch1, epoch2)
+    unshuffled = build_data(synthetic_config(cache_dir, shuffle=False), global_batch=4, seed=0, process_index=0,
+                            process_count=1)
+    plain = {k: v[:n] for k, v in rows_of([unshuffled.train[s] for s in range(-(-n // 4))]).items()}
+    assert sorted(map(tuple, plain["inputs"].tolist())) == sorted(map(tuple, epoch1.tolist()))
+    assert not np.array_equal(plain["inputs"], epoch1)
+    assert data.n_train_tokens == (plain["segment_ids"] > 0).sum() == (plain["inputs"] > 0).sum()
+
+
+def test_process_shards_concatenate_to_the_global_batch(cache_dir):
+    config = synthetic_config(cache_dir)
+    one = build_data(config, global_batch=6, seed=3, process_index=0, process_count=1)
+    parts = [build_data(config, global_batch=6, seed=3, process_index=p, process_count=2) for p in range(2)]
+    steps = 2 * one.n_train_rows // 6 + 1  # crosses an epoch boundary
+    for s in range(steps):
+        shards = [part.train[s] for part in parts]
+        assert shards[0]["inputs"].shape == (3, SEQ)
+        for key, value in one.train[s].items():
+            np.testing.assert_array_equal(np.concatenate([sh[key] for sh in shards]), value)
+    for a, b in zip(one.eval_batches(3), zip(*(part.eval_batches(3) for part in parts))):
+        for key in a:
+            np.testing.assert_array_equal(np.concatenate([b[0][key], b[1][key]]), a[key])
+
+
+def test_iterator_state_restores_exactly(cache_dir):
+    data = build_data(synthetic_config(cache_dir), global_batch=4, seed=1, process_index=0, process_count=1)
+    it = train_iterator(data)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(7)]
+    restored = train_iterator(build_data(synthetic_config(cache_dir), global_batch=4, seed=1, process_index=0,
+                                         process_count=1))
+    restored.set_state(state)
+    for a, b, step in zip(expected, [next(restored) for _ in range(7)], range(5, 12)):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+            np.testing.assert_array_equal(a[key], data.train[step][key])  # iterator step s == random access s
+
+
+def test_eval_batches_are_deterministic_and_held_out(cache_dir):
+    config = synthetic_config(cache_dir, shuffle=False, eval_fraction=0.2)
+    data = build_data(config, global_batch=4, seed=0, process_index=0, process_count=1)
+    tok = data.tokenizer
+
+    def documents_in(rows):
+        """Decode the documents of rows laid end to end (a document is bos ... eos)."""
+        stream = rows["inputs"][rows["segment_ids"] > 0].tolist()
+        text = tok.decode(stream)  # bos / eos are dropped by decode: split on them first
+        docs, current = [], []
+        for token in stream:
+            if token == tok.bos_id:
+                current = []
+            elif token == tok.eos_id:
+                docs.append(tok.decode(current))
+            else:
+                current.append(token)
+        assert text == "".join(docs)
+        return docs
+
+    n_eval_steps = -(-len(data.eval_rows["inputs"]) // 4)
+    batches = data.eval_batches(n_eval_steps + 2)
+    assert all(b["inputs"].shape == (4, SEQ) for b in batches)
+    assert all(b["loss_mask"].sum() == 0 for b in batches[n_eval_steps:])  # past the eval rows: padding only
+    again = data.eval_batches(n_eval_steps + 2)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(batches, again) for k in a)
+    eval_docs = documents_in(rows_of(batches))
+    train_rows = rows_of([data.train[s] for s in range(-(-data.n_train_rows // 4))])
+    train_docs = documents_in({k: v[:data.n_train_rows] for k, v in train_rows.items()})
+    assert len(eval_docs) == data.n_eval_documents > 0 and len(train_docs) == data.n_train_documents
+    assert not set(eval_docs) & set(train_docs)
+    assert sorted(eval_docs + train_docs) == sorted(read_documents(config))
+
+
+def test_workdir_gets_the_tokenizer(cache_dir, tmp_path):
+    data = build_data(synthetic_config(cache_dir), global_batch=4, seed=0, workdir=str(tmp_path / "run"),
+                      process_index=0, process_count=1)
+    assert data.tokenizer.path == str(tmp_path / "run" / "tokenizer.model")
+    assert isinstance(load_tokenizer(data.tokenizer.path), Tokenizer)
+
+
+def test_pipeline_errors(cache_dir, tmp_path):
+    def build(config=None, **kw):
+        kw = {"global_batch": 4, "seed": 0, "process_index": 0, "process_count": 1, **kw}
+        return build_data(config or synthetic_config(cache_dir), **kw)
+
+    tiny = synthetic_config(cache_dir, n_synthetic=3, eval_fraction=0.0)
+    check_raises(lambda: build(tiny, global_batch=64), re.compile(r"\b\d+ rows\b"), "global_batch=64",
+                 f"seq_len={SEQ}")
+    check_raises(lambda: build(global_batch=6, process_count=4), "global_batch=6", "process_count=4")
+    check_raises(lambda: build(process_index=2, process_count=2), "process_index=2")
+    check_raises(lambda: build(seed=-1), "seed=-1")
+    no_eval = build(synthetic_config(cache_dir, eval_fraction=0.0))
+    check_raises(lambda: no_eval.eval_batches(1), "no evaluation documents", "eval_fraction")
+    check_raises(lambda: no_eval.eval_batches(0), "n=0")
+    check_raises(lambda: build(synthetic_config(cache_dir, tokenizer=str(tmp_path / "x.model"))), "x.model",
+                 error=FileNotFoundError)

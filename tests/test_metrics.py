@@ -1,0 +1,237 @@
+"""Metrics side of the trainer: metrics.jsonl, TensorBoard events, resume truncation, progress bar, MFU, plots."""
+
+import json
+import pathlib
+import struct
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from focal_jax.train import metrics as M
+from focal_jax.train import plot
+
+
+def _lines(workdir):
+    return [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tb_events(workdir):
+    """All events of the TFRecord files under WORKDIR/tb, parsed independently of tensorboardX's writer."""
+    events = []
+    for path in sorted((pathlib.Path(workdir) / "tb").glob("events.out.tfevents.*")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])  # length, then crc(length), payload, crc(payload)
+            events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+            i += 12 + n + 4
+    return events
+
+
+def _scalars(workdir):
+    return {(v.tag, e.step): v.simple_value for e in _tb_events(workdir) for v in e.summary.value}
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+
+def test_jsonl_records_are_plain_floats(tmp_path):
+    before = time.time()
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        w.write(1, {"loss": np.float32(2.5), "lr": jnp.asarray(3e-4), "tokens": 4096, "acc": 0.25})
+        w.write(2, {"loss": 1.5}, kind="eval")
+        # flushed at once: visible before close
+        assert [r["step"] for r in _lines(tmp_path)] == [1, 2]
+    train, evaluation = _lines(tmp_path)
+    assert set(train) == {"step", "kind", "loss", "lr", "tokens", "acc", "time"}
+    assert train["kind"] == "train" and evaluation["kind"] == "eval"
+    assert train["loss"] == 2.5 and train["lr"] == pytest.approx(3e-4) and train["tokens"] == 4096.0
+    assert all(type(train[k]) is float for k in ("loss", "lr", "tokens", "acc", "time"))
+    assert type(train["step"]) is int
+    assert before <= train["time"] <= evaluation["time"] <= time.time()
+    assert M.read_metrics(str(tmp_path), kind="eval") == [evaluation]
+    assert M.read_metrics(str(tmp_path)) == [train, evaluation]
+
+
+def test_write_rejects_bad_input(tmp_path):
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        with pytest.raises(ValueError, match="'step' is reserved"):
+            w.write(1, {"step": 1.0})
+        with pytest.raises(ValueError, match="'loss' must be a scalar"):
+            w.write(1, {"loss": np.ones(3)})
+        with pytest.raises(ValueError, match="kind"):
+            w.write(1, {"loss": 1.0}, kind="")
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    with M.MetricWriter(str(workdir), enabled=False) as w:
+        w.write(1, {"loss": 1.0})
+    assert not workdir.exists()
+    # the default follows jax.process_index(): this single process is process 0
+    with M.MetricWriter(str(workdir)) as w:
+        assert w.enabled
+
+
+def test_resume_keeps_each_step_once(tmp_path):
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        for step in range(1, 11):
+            w.write(step, {"loss": 10.0 - step})
+    with M.MetricWriter(str(tmp_path), resume_step=6, enabled=True) as w:
+        w.write(7, {"loss": 0.5})
+    records = _lines(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    assert records[5]["loss"] == 4.0 and records[6]["loss"] == 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "tb"]  # no temp file left
+    # TensorBoard is told to drop the redone steps: the new event file starts with a START at step 7
+    starts = [e.step for e in _tb_events(tmp_path) if e.HasField("session_log")]
+    assert starts == [7]
+
+
+def test_truncated_last_line(tmp_path):
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        for step in (1, 2, 3):
+            w.write(step, {"loss": 1.0})
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 4, "kind": "tr')  # killed mid-write
+    assert [r["step"] for r in M.read_metrics(str(tmp_path))] == [1, 2, 3]
+    # a later writer (even without resume_step) does not append onto the broken line
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        w.write(4, {"loss": 1.0})
+    assert [r["step"] for r in _lines(tmp_path)] == [1, 2, 3, 4]
+    # a broken line in the middle is corruption, not a kill: it is reported with its line number
+    path.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        M.read_metrics(str(tmp_path))
+
+
+def test_read_metrics_missing_file_names_workdir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        M.read_metrics(str(tmp_path / "nowhere"))
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def test_tensorboard_scalars(tmp_path):
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        w.write(3, {"loss": 2.5, "lr": 0.125})
+        w.write(4, {"loss": 2.25}, kind="eval")
+    assert _scalars(tmp_path) == {("train/loss", 3): 2.5, ("train/lr", 3): 0.125, ("eval/loss", 4): 2.25}
+
+
+# ---------------------------------------------------------------- progress bar
+
+
+def test_progress_bar(capsys):
+    with M.Progress(10, initial_step=2, enabled=True) as bar:
+        bar.update(5, loss=np.float32(2.3456), tokens_per_s=12345.0, mfu=0.4321)
+        bar.update(10, loss=1.0, tokens_per_s=2000.0)
+    err = capsys.readouterr().err
+    assert "10/10" in err and "loss=1.0000" in err and "tok/s=2.00k" in err
+    with M.Progress(10, enabled=False) as bar:
+        bar.update(3, loss=1.0, tokens_per_s=1.0)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="initial_step=11"):
+        M.Progress(10, initial_step=11)
+
+
+# ---------------------------------------------------------------- peak FLOP/s and MFU
+
+
+class _FakeDevice:
+    def __init__(self, device_kind, platform="gpu"):
+        self.device_kind, self.platform = device_kind, platform
+
+
+def test_peak_flops():
+    assert jax.devices()[0].platform == "cpu"
+    assert M.peak_flops() is None
+    assert M.peak_flops(_FakeDevice("NVIDIA H100 80GB HBM3", platform="cpu")) is None
+    expected = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA A100-SXM4-40GB": 312e12,
+        "TPU v4": 275e12,
+        "TPU v5 lite": 197e12,
+        "TPU v5": 459e12,
+        "TPU v5p": 459e12,
+        "TPU v6 lite": 918e12,
+        "tpu V5 LITE": 197e12,  # case-insensitive
+        "Quantum Abacus 9000": None,
+    }
+    for kind, peak in expected.items():
+        assert M.peak_flops(_FakeDevice(kind)) == peak, kind
+        assert M.peak_flops(kind) == peak, kind
+
+
+def test_flops_and_mfu_arithmetic():
+    # 6 * 100 + 12 * 2 * 10 * 4 = 600 + 960
+    assert M.train_flops_per_token(100, 2, 10, 4) == 1560.0
+    # 1000 tok/s * 1560 FLOP/tok on 2 devices of 1e6 FLOP/s each
+    assert M.mfu(1000.0, 1560.0, 2, 1e6) == pytest.approx(0.78)
+    # GPT-2 small-like: 6 * 85e6 + 12 * 12 * 1024 * 768 = 510e6 + 113_246_208 = 623_246_208 FLOP/token;
+    # 200k tok/s on 8 H100: 1.246492416e14 / 7.912e15
+    flops = M.train_flops_per_token(85_000_000, 12, 1024, 768)
+    assert flops == 623_246_208.0
+    assert M.mfu(200_000.0, flops, 8, M.peak_flops("NVIDIA H100 80GB HBM3")) == pytest.approx(0.01575445, rel=1e-6)
+    assert M.mfu(1000.0, 1560.0, 2, None) is None
+    with pytest.raises(ValueError, match="seq_len"):
+        M.train_flops_per_token(100, 2, 0, 4)
+    with pytest.raises(ValueError, match="n_devices=0"):
+        M.mfu(1.0, 1.0, 0, 1e12)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _fake_run(workdir, scale):
+    with M.MetricWriter(str(workdir), enabled=True) as w:
+        for step in range(1, 21):
+            w.write(step, {"loss": scale * 5.0 / step + 1.0, "lr": 1e-3})
+            if step % 5 == 0:
+                w.write(step, {"loss": scale * 5.0 / step + 1.2}, kind="eval")
+
+
+def _assert_png(path):
+    data = pathlib.Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_losses_two_workdirs(tmp_path):
+    _fake_run(tmp_path / "a", 1.0)
+    _fake_run(tmp_path / "b", 2.0)
+    out = str(tmp_path / "figs" / "loss.png")
+    assert plot.plot_losses([str(tmp_path / "a"), str(tmp_path / "b")], out, logy=True) == out
+    _assert_png(out)
+    with pytest.raises(ValueError, match="1 labels"):
+        plot.plot_losses([str(tmp_path / "a"), str(tmp_path / "b")], out, labels=["x"])
+
+
+def test_plot_cli(tmp_path, capsys):
+    _fake_run(tmp_path / "a", 1.0)
+    _fake_run(tmp_path / "b", 2.0)
+    out = str(tmp_path / "cmp.png")
+    argv = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", out, "--metric", "loss,lr", "--labels", "base,focus"]
+    assert plot.main(argv) == 0
+    assert capsys.readouterr().out.strip() == out
+    _assert_png(out)
+
+
+def test_plot_errors_name_the_workdir(tmp_path, capsys):
+    _fake_run(tmp_path / "a", 1.0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        plot.plot_losses([str(tmp_path / "a"), str(tmp_path / "empty")], str(tmp_path / "x.png"))
+    with pytest.raises(ValueError, match=r"a' has no 'grad_norm' records.*loss"):
+        plot.plot_losses([str(tmp_path / "a")], str(tmp_path / "x.png"), metrics=("grad_norm",))
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")])
+    assert "empty" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
