@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo attention-demo test bench clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,10 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 demo: $(VENV)/.installed
+	rm -rf demo_out/quickstart
+	$(PY) -m focal_jax.train --config experiments/quickstart.py --workdir demo_out/quickstart
+
+attention-demo: $(VENV)/.installed
 	$(PY) -m focal_jax.demo
 
 test: $(VENV)/.installed

@@ -2,6 +2,11 @@
 
     python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
                                         [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
+    python -m focal_jax.bench train [--repeats 5] [--skip-124m]
+
+``train``: tokens/s of the trainer's jitted step (forward, backward, AdamW update; float32) for the quickstart model
+(1.3M parameters, B = 16, T = 128) with each attention kind side by side, and for GPT-2 124M (B = 1, T = 512),
+full training and a Focus retrofit that trains the centroids only. Median of ``--repeats`` steps after one warm-up.
 
 ``attention``: for each T (B = 1, H = 8, D = 64, float32, this machine's default backend) it times the forward pass
 of dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
@@ -225,8 +230,76 @@ def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int) -> float:
+    """Median seconds of the trainer's jitted step on random tokens (one packed document per row)."""
+    import numpy as np
+
+    from focal_jax.train.optimizer import make_optimizer, split_trainable
+    from focal_jax.train.trainer import make_steps
+
+    graphdef, trainable, frozen = split_trainable(model, optim)
+    tx = make_optimizer(optim, total_steps=100)
+    step = jax.jit(make_steps(graphdef, tx, jax.numpy.float32)[0], donate_argnums=(0, 1))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(4, model.config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+             "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch_size, seq_len)),
+             "segment_ids": np.ones((batch_size, seq_len), np.int32),
+             "loss_mask": np.ones((batch_size, seq_len), np.float32)}
+    opt_state = tx.init(trainable)
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        trainable, opt_state, metrics = step(trainable, opt_state, frozen, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i:  # the first call compiles
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``train`` subcommand: tokens/s of the train step, attention kinds side by side."""
+    from flax import nnx
+
+    from focal_jax.nn.gpt2 import GPT2, GPT2Config
+    from focal_jax.nn.llama import Llama, LlamaConfig
+    from focal_jax.nn.retrofit import FocusConfig, retrofit
+    from focal_jax.train.optimizer import OptimConfig
+
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## train step (float32, AdamW, median of {args.repeats} after one warm-up)\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    quickstart = dict(vocab_size=2000, d_model=128, n_layers=4, n_heads=4, intermediate=344, qk_norm="head")
+    kinds = {"dense": {"kind": "dense"}, "focal (t=0.4)": {"kind": "focal", "focal_t": 0.4},
+             "focal learned": {"kind": "focal_learned"},
+             "focus soft (K=8, w=32)": {"kind": "focus", "focus_groups": 8, "focus_window": 32}}
+    rows, dense = [], None
+    for name, attn in kinds.items():
+        _log(f"quickstart {name} ...")
+        model = Llama(LlamaConfig(**quickstart, attn=attn), rngs=nnx.Rngs(0))
+        seconds = _train_step_seconds(model, OptimConfig(), 16, 128, args.repeats)
+        dense = dense or seconds
+        rows.append(["quickstart 1.3M, B=16, T=128", name, _fmt_ms(seconds), f"{16 * 128 / seconds:,.0f}",
+                     _fmt_ratio(dense / seconds)])
+    if not args.skip_124m:
+        full = None
+        for name in ("full training", "Focus retrofit, centroids only (K=4, d_g=16, w=128)"):
+            _log(f"GPT-2 124M {name} ...")
+            model = GPT2(GPT2Config(), rngs=nnx.Rngs(0))
+            optim = OptimConfig()
+            if full is not None:
+                model = retrofit(model, FocusConfig(groups=4, dim=16, window=128))
+                optim = OptimConfig(trainable="centroids")
+            seconds = _train_step_seconds(model, optim, 1, 512, args.repeats)
+            full = full or seconds
+            rows.append(["GPT-2 124M, B=1, T=512", name, _fmt_ms(seconds), f"{512 / seconds:,.0f}",
+                         _fmt_ratio(full / seconds)])
+    print(_inputs.markdown_table(["model", "variant", "step (ms)", "tokens/s", "speed vs first row"], rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per benchmark (``attention``; room for more)."""
+    """The command line: one subcommand per benchmark (``attention``, ``train``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -240,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--heads", type=int, default=8, help="attention heads (head_dim 64)")
     attn.add_argument("--seed", type=int, default=0)
     attn.set_defaults(run=run_attention)
+    train = sub.add_parser("train", help="tokens/s of the train step: quickstart model per attention kind, GPT-2 124M")
+    train.add_argument("--repeats", type=int, default=5, help="timed steps (median), after one warm-up")
+    train.add_argument("--skip-124m", action="store_true", help="only the quickstart model")
+    train.set_defaults(run=run_train)
     return parser
 
 

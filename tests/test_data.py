@@ -439,6 +439,20 @@ def test_workdir_gets_the_tokenizer(cache_dir, tmp_path):
     assert isinstance(load_tokenizer(data.tokenizer.path), Tokenizer)
 
 
+def test_tokenizer_command_builds_the_runs_tokenizer(tmp_path):
+    from focal_jax.data.__main__ import main
+
+    (tmp_path / "corpus.txt").write_text("\n".join(words(300, seed=5)))
+    cache = str(tmp_path / "cache")
+    out = main(["--source", "text", "--paths", str(tmp_path / "*.txt"), "--vocab_size", "300", "--eval_fraction",
+                "0", "--cache_dir", cache, "--out", str(tmp_path / "tok.model")])
+    config = DataConfig(source="text", paths=(str(tmp_path / "*.txt"),), vocab_size=300, eval_fraction=0.0,
+                        cache_dir=cache, seq_len=16)
+    data = build_data(config, global_batch=2, seed=0, process_index=0, process_count=1)
+    assert os.listdir(cache) == [os.path.basename(data.tokenizer.path)]  # the run found the command's tokenizer
+    assert open(out, "rb").read() == open(data.tokenizer.path, "rb").read()
+
+
 def test_pipeline_errors(cache_dir, tmp_path):
     def build(config=None, **kw):
         kw = {"global_batch": 4, "seed": 0, "process_index": 0, "process_count": 1, **kw}

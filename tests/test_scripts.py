@@ -35,3 +35,10 @@ def test_count_focus_pairs_equals_the_mask(k, window):
     assert allowed == int(jnp.sum(focus_mask(membership, window=window)))
     assert causal == 2 * 60 * 61 // 2
     assert np.isclose(allowed / causal, 1.0) == (k == 4 or window >= 59)
+
+
+def test_bench_train_prints_every_kind(capsys):
+    assert bench.main(["train", "--repeats", "1", "--skip-124m"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("dense", "focal (t=0.4)", "focal learned", "focus soft"):
+        assert f"| {kind}" in out

@@ -91,14 +91,7 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
         process_count = jax.process_count() if process_count is None else process_count
     _check_layout(global_batch, seed, process_index, process_count)
 
-    docs = read_documents(config)
-    held_out = [_is_eval(doc, config.eval_fraction) for doc in docs]
-    train_docs = [doc for doc, e in zip(docs, held_out) if not e]
-    eval_docs = [doc for doc, e in zip(docs, held_out) if e]
-    if not train_docs:
-        raise ValueError(f"all {len(docs)} documents were held out for evaluation: lower "
-                         f"eval_fraction={config.eval_fraction}")
-
+    train_docs, eval_docs = split_documents(read_documents(config), config.eval_fraction)
     tokenizer = _tokenizer(config, train_docs, workdir)
     train_rows = pack(encode_documents(tokenizer, train_docs), config.seq_len)
     n_train_rows = len(train_rows["inputs"])
@@ -149,6 +142,16 @@ def _check_layout(global_batch, seed, process_index, process_count):
         raise ValueError(f"process_index={process_index} must be below process_count={process_count}")
     if global_batch % process_count:
         raise ValueError(f"global_batch={global_batch} must be divisible by process_count={process_count}")
+
+
+def split_documents(docs: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
+    """`(train_docs, eval_docs)`: each document held out by a hash of its text (see `_is_eval`)."""
+    held_out = [_is_eval(doc, eval_fraction) for doc in docs]
+    train_docs = [doc for doc, e in zip(docs, held_out) if not e]
+    if not train_docs:
+        raise ValueError(f"all {len(docs)} documents were held out for evaluation: lower "
+                         f"eval_fraction={eval_fraction}")
+    return train_docs, [doc for doc, e in zip(docs, held_out) if e]
 
 
 def _is_eval(doc: str, eval_fraction: float) -> bool:

@@ -143,3 +143,4 @@ def write_atomically(path: str | pathlib.Path, data: bytes):
     except BaseException:
         os.unlink(tmp)
         raise
+
