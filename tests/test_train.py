@@ -19,6 +19,7 @@ from flax import nnx
 
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
+from focal_jax.nn.variables import Centroid
 from focal_jax.train import checkpoint, train
 from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
@@ -280,6 +281,14 @@ def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     assert sorted(checkpoint.saved_param_paths(workdir, 2)) == [
         f"layers/{i}/self_attn/{n}" for i in (0, 1) for n in ("centroids", "w_g")]
     assert np.isfinite(list(losses(workdir).values())).all()
+    model = load_model(workdir)  # the Hugging Face base plus the trained centroids
+    saved = checkpoint.load_params(workdir, 2, *_centroids_and_shardings(model))
+    np.testing.assert_array_equal(model.layers[1].self_attn.w_g[...], saved["layers"][1]["self_attn"]["w_g"])
+
+
+def _centroids_and_shardings(model):
+    centroids = nnx.to_pure_dict(nnx.state(model, Centroid))
+    return centroids, jax.tree.map(lambda x: x.sharding, centroids)
 
 
 def test_golden_trainable_parameters(tmp_path, cache_dir):

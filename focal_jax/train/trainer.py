@@ -51,12 +51,13 @@ def new_param_paths(model) -> set[str]:
     return set(param_paths(nnx.state(model, nnx.Any(nnx.OfType(Centroid), nnx.OfType(Temperature)))))
 
 
-def load_pretrained(model, workdir: str):
+def load_pretrained(model, workdir: str, *, with_base: bool = True):
     """Copy the parameters of a focal_jax workdir's latest checkpoint into `model` in place. Parameters the
     checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself started from a
-    pretrained model (trainable parameters only) first loads its own `init_from`. Returns the model."""
+    pretrained model (trainable parameters only) first loads its own `init_from` (unless `with_base=False`: the
+    model already holds it). Returns the model."""
     step, meta = checkpoint.read_meta(workdir)
-    if meta.get("params_scope") == "trainable":
+    if meta.get("params_scope") == "trainable" and with_base:
         base = meta.get("init_from")
         if not base:
             raise ValueError(f"{workdir!r} saved only its trainable parameters but records no init_from")
@@ -107,8 +108,8 @@ def load_model(workdir: str):
     """The model of a focal_jax run directory with the parameters of its latest checkpoint (for evaluation,
     generation, export)."""
     _, meta = checkpoint.read_meta(workdir)
-    model = init_model(check_config(ml_collections.ConfigDict(meta["config"])))
-    return load_pretrained(model, workdir)
+    model = init_model(check_config(ml_collections.ConfigDict(meta["config"])))  # holds the run's init_from
+    return load_pretrained(model, workdir, with_base=False)
 
 
 def matmul_param_count(model) -> int:
