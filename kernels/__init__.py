@@ -1,5 +1,6 @@
 """Pallas kernels, installed as ``focal_jax.kernels``.
 
-The fused block-sparse Focus kernel belongs here (it is `focus_sparse_attention(..., impl='pallas')`);
-it has not been written yet, so that impl raises a clear error.
+``focus_sparse``: hard Focus attention as block-sparse flash-attention kernels (forward and backward) whose masks
+are computed inside the kernel from per-token ids; also dense / focal attention through the same kernels. Reached as
+``focal_jax.attention.focus_sparse_attention(..., impl='pallas')`` and the models' ``impl='pallas'``.
 """

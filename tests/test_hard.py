@@ -217,11 +217,11 @@ def test_decomposed_memory_is_blockwise():
     assert largest_intermediate(lambda q, k, v: loss(q, k, v, "reference")) >= t * t
 
 
-def test_pallas_impl_is_reserved():
+def test_pallas_impl_needs_power_of_two_blocks():
     q, k, v = rand_qkv(14, 1, 8, 2, 2, 4)
     mem = jnp.ones((1, 8, 2), bool)
-    with pytest.raises(NotImplementedError):
-        focus_sparse_attention(q, k, v, mem, window=2, impl="pallas")
+    with pytest.raises(ValueError, match="power-of-two block_size, got block_size=24"):
+        focus_sparse_attention(q, k, v, mem, window=2, impl="pallas", block_size=24)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -311,9 +311,9 @@ def test_impl_kind_combinations():
         AttentionConfig(**SHAPE, kind="focus", impl="cudnn")
     with pytest.raises(ValueError, match=r"window=3.*focus_window"):
         AttentionConfig(**SHAPE, kind="focus", window=3)
+    with pytest.raises(ValueError, match=r"impl='pallas'.*soft gate"):
+        AttentionConfig(**SHAPE, kind="focus", impl="pallas")
     x, positions = jnp.ones((1, 4, 32)), jnp.zeros((1, 4), jnp.int32)
-    with pytest.raises(NotImplementedError, match="issue 5"):
-        Attention(AttentionConfig(**SHAPE, impl="pallas"), rngs=nnx.Rngs(0))(x, positions=positions)
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU"):
             Attention(AttentionConfig(**SHAPE, impl="cudnn"), rngs=nnx.Rngs(0))(x, positions=positions)

@@ -14,6 +14,7 @@ from focal_jax import attention as fa
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask
+from focal_jax.kernels.focus_sparse import dot_product_pallas
 from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -47,8 +48,9 @@ class AttentionConfig:
       [tau_min, tau_max], causal prefix mean) | 'focus' (Centroid params; soft gate, or hard top-k when
       focus_topk is set) | 'focal+focus' (focus with the focal_t temperature applied first).
     impl: 'xla' (the pure functions; the dense masked reference for hard Focus) | 'cudnn' (dense / focal only,
-      GPU only, bf16 / fp16 inputs) | 'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (not
-      available yet: the kernel is issue 5).
+      GPU only, bf16 / fp16 inputs) | 'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (the
+      block-sparse Pallas kernels of `focal_jax.kernels.focus_sparse`: dense / focal / focal_learned, and hard
+      Focus; not the soft gate).
     qk_norm: None | 'head' (Qwen3: RMSNorm over head_dim, per head) | 'full' (OLMo-2: RMSNorm over all heads'
       q and k before reshaping).
     rope_theta: None for no rotary embedding (GPT-2 uses learned positions).
@@ -133,6 +135,9 @@ class AttentionConfig:
                 raise ValueError(f"focus_topk={self.focus_topk} must be <= focus_groups={self.focus_groups}")
         if self.impl == "cudnn" and self.kind not in ("dense", "focal"):
             raise ValueError(f"impl='cudnn' supports kind 'dense' and 'focal', got kind={self.kind!r}")
+        if self.impl == "pallas" and self.kind in FOCUS_KINDS and self.focus_topk is None:
+            raise ValueError(f"impl='pallas' computes hard Focus (focus_topk set) or the non-Focus kinds; kind="
+                             f"{self.kind!r} with focus_topk=None is the soft gate: use impl='xla'")
         if self.impl == "decomposed" and (self.kind not in FOCUS_KINDS or self.focus_topk is None):
             raise ValueError(f"impl='decomposed' is the hard Focus path: it needs kind in {FOCUS_KINDS} and "
                              f"focus_topk set, got kind={self.kind!r}, focus_topk={self.focus_topk!r}")
@@ -236,9 +241,6 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         if tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape [batch, seq] = {(b, t)}, got shape {positions.shape}")
-        if c.impl == "pallas":
-            raise NotImplementedError("impl='pallas' needs the fused Pallas kernel (issue 5, not available yet); "
-                                      "use impl='xla' or 'decomposed'")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -312,11 +314,18 @@ class Attention(nnx.Module):
             temperature = 1.0 if c.kind == "dense" else c.focal_t
             if c.impl == "cudnn":
                 return _cudnn_attention(q, k, v, temperature, c.window, segment_ids)
+            if c.impl == "pallas":
+                return dot_product_pallas(q, k, v, multiplier=1.0 / (c.head_dim ** 0.5 * temperature),
+                                          window=c.window, segment_ids=segment_ids, softcap=c.softcap)
             return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids,
                                       softcap=c.softcap)
         if c.kind == "focal_learned":
             tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode="prefix",
                                          bias=self.tau_bias[...], segment_ids=segment_ids)
+            if c.impl == "pallas":
+                multiplier = jnp.broadcast_to(1.0 / tau[:, :, None], q.shape[:3])
+                return dot_product_pallas(q, k, v, multiplier=multiplier, window=c.window, segment_ids=segment_ids,
+                                          softcap=c.softcap)
             return fa.focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], window=c.window,
                                       segment_ids=segment_ids, softcap=c.softcap)
         # Focus: route on the attention input, balanced by Sinkhorn, then soft gate or hard top-k mask.
@@ -329,7 +338,7 @@ class Attention(nnx.Module):
         membership = fa.topk_membership(g, c.focus_topk)
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
                                          segment_ids=segment_ids, softcap=c.softcap,
-                                         impl="decomposed" if c.impl == "decomposed" else "reference")
+                                         impl=c.impl if c.impl in ("decomposed", "pallas") else "reference")
 
 
 def _cudnn_attention(q, k, v, temperature, window, segment_ids):

@@ -1,0 +1,222 @@
+"""The Pallas kernels (`focal_jax.kernels.focus_sparse`) in interpret mode against the naive reference, their GPU
+lowering without a device, and the block plan's coverage and cost."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focal_jax.attention import focus_sparse_attention, reference, topk_membership
+from focal_jax.kernels import focus_sparse as ks
+from focal_jax.nn.attention import Attention, AttentionConfig
+from helpers import assert_close, rand_qkv
+
+
+def random_membership(seed, b, t, groups, k):
+    scores = jax.random.normal(jax.random.key(seed), (b, t, groups))
+    return topk_membership(scores, k)
+
+
+def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
+    """Gradients of sum(sin(out)) w.r.t. every argument agree to `atol` relative to the largest reference value
+    (at least 1)."""
+    loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))))
+    expected = jax.grad(loss(reference_fn), argnums=tuple(range(len(args))))(*args)
+    got = jax.grad(loss(kernel_fn), argnums=tuple(range(len(args))))(*args)
+    for name, e, g in zip("qkvt", expected, got):
+        scale = max(1.0, float(jnp.max(jnp.abs(e))))
+        assert_close(g, e, atol=atol * scale, what=f"{what} d{name}")
+
+
+CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, softcap, block, band_block)
+    "odd length, top-1": (77, 3, 1, 5, 0, False, 4, 4, None, 16, 8),
+    "top-2, segments, GQA": (70, 4, 2, 9, 0, True, 4, 2, None, 32, 16),
+    "one group": (50, 1, 1, 4, 0, False, 2, 1, None, 16, 8),
+    "more groups than tokens (two bitmask words), top-3": (20, 40, 3, 3, 0, False, 2, 2, None, 16, 8),
+    "window 0, sink 3, softcap": (45, 3, 1, 0, 3, True, 2, 2, 20.0, 16, 8),
+    "window >= T": (40, 4, 1, 64, 0, False, 2, 2, None, 16, 16),
+    "k = K": (33, 3, 3, 2, 0, False, 2, 1, None, 16, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_focus_kernel_matches_reference(name):
+    t, groups, k, window, sink, segmented, h, hk, softcap, block, band_block = CASES[name]
+    q, key, v = rand_qkv(len(name), 2, t, h, hk, 16)
+    membership = random_membership(1, 2, t, groups, k)
+    segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
+    temperature = jax.random.uniform(jax.random.key(2), (2, t, h), minval=0.5, maxval=2.0)
+
+    def expected(q, key, v, temperature):
+        return reference.focus_hard_attention(q, key, v, membership, window=window, temperature=temperature,
+                                              segment_ids=segment_ids, sink=sink, softcap=softcap)
+
+    def kernel(q, key, v, temperature):
+        return ks.focus_sparse_pallas(q, key, v, membership, multiplier=16 ** -0.5 / temperature, window=window,
+                                      segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block,
+                                      band_block_size=band_block)
+
+    assert_close(kernel(q, key, v, temperature), expected(q, key, v, temperature), atol=1e-5, what=name)
+    assert_grads_close(expected, kernel, (q, key, v, temperature), 1e-5, name)
+
+
+def test_arbitrary_membership_and_empty_groups():
+    """Tokens in no group, in several groups, and groups left empty (of unequal sizes)."""
+    t = 60
+    q, k, v = rand_qkv(3, 1, t, 2, 2, 8)
+    bits = jax.random.bernoulli(jax.random.key(4), 0.4, (1, t, 5))
+    membership = bits.at[:, :, 1].set(False).at[:, :, 3].set(False)  # groups 1 and 3 empty
+    assert not bool(jnp.all(jnp.any(membership, axis=-1)))  # some tokens belong to no group
+    expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=4)
+    kernel = lambda q, k, v: focus_sparse_attention(q, k, v, membership, window=4, impl="pallas", block_size=16)
+    assert_close(kernel(q, k, v), expected(q, k, v), atol=1e-5, what="arbitrary membership")
+    assert_grads_close(expected, kernel, (q, k, v), 1e-5, "arbitrary membership")
+
+
+def test_bf16_inputs_accumulate_in_float32():
+    t = 64
+    q, k, v = rand_qkv(5, 1, t, 4, 2, 16)
+    membership = random_membership(6, 1, t, 4, 1)
+    expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=8)
+    kernel = lambda q, k, v: ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.25, window=8, block_size=16,
+                                                    band_block_size=16)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = kernel(*bf16)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, expected(q, k, v), atol=2e-2, what="bf16 forward")
+    assert_grads_close(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
+
+
+@pytest.mark.parametrize("window", [None, 0, 7, 100])
+def test_dense_and_focal_through_the_kernel(window):
+    """No groups: every causal pair (one group) or the local band (no group), against jax.nn.dot_product_attention
+    (an outside implementation) and the reference, with segments, GQA and a focal temperature."""
+    t = 50
+    q, k, v = rand_qkv(7, 2, t, 4, 2, 16)
+    segment_ids = (jnp.arange(t)[None] >= 20).astype(jnp.int32) * jnp.ones((2, 1), jnp.int32)
+
+    def outside(q, k, v):
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=0.25 / 0.4,
+                                            local_window_size=None if window is None else (window, 0))
+
+    kernel = lambda q, k, v: ks.dot_product_pallas(q, k, v, multiplier=0.25 / 0.4, window=window,
+                                                   segment_ids=segment_ids, block_size=16, band_block_size=8)
+    expected = reference.attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
+    assert_close(kernel(q, k, v), outside(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
+    assert_close(kernel(q, k, v), expected, atol=1e-5, what=f"window={window} vs reference")
+    assert_grads_close(outside, kernel, (q, k, v), 1e-5, f"window={window}")
+
+
+def test_no_intermediate_is_as_large_as_t_squared():
+    t = 512
+    q, k, v = rand_qkv(8, 1, t, 2, 2, 8)
+    membership = random_membership(9, 1, t, 4, 1)
+    fn = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=8,
+                                                        block_size=16, band_block_size=8))
+    sizes = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            sizes.extend(int(np.prod(getattr(v.aval, "shape", ()) or (1,))) for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    assert max(sizes) < t * t // 2
+
+
+def test_model_impl_pallas_equals_xla():
+    shape = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)
+    x = jax.random.normal(jax.random.key(10), (2, 40, 32))
+    positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
+    for kind, extra in (("dense", {}), ("focal", {"window": 6}), ("focal_learned", {}),
+                        ("focus", {"focus_topk": 1, "focus_groups": 4, "focus_window": 5}),
+                        ("focal+focus", {"focus_topk": 2, "focus_groups": 4, "focus_window": 5})):
+        layer = Attention(AttentionConfig(**shape, kind=kind, **extra), rngs=nnx.Rngs(0))
+        expected = layer(x, positions=positions)
+        layer.config = AttentionConfig(**shape, kind=kind, impl="pallas", **extra)
+        assert_close(layer(x, positions=positions), expected, atol=1e-5, what=kind)
+
+
+# ------------------------------------------------------------------------------------------------ lowering
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.bfloat16, 128), (jnp.float32, 64)])
+def test_lowers_for_cuda_without_a_device(dtype, head_dim):
+    """The Triton lowering (forward and backward) runs at trace time, so lowering and shape errors surface here."""
+    b, t, h, hk = 1, 256, 4, 2
+    q = jnp.zeros((b, t, h, head_dim), dtype)
+    k = v = jnp.zeros((b, t, hk, head_dim), dtype)
+    membership = random_membership(11, b, t, 8, 1)
+    temperature = jnp.ones((b, t, h))
+
+    def loss(q, k, v, temperature):
+        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=1 / temperature, window=32, block_size=64,
+                                     band_block_size=32, backend="triton")
+        return jnp.sum(out.astype(jnp.float32))
+
+    dense = lambda q, k, v: jnp.sum(ks.dot_product_pallas(q, k, v, multiplier=0.1, backend="triton"))
+    for fn, args in ((jax.grad(loss, argnums=(0, 1, 2, 3)), (q, k, v, temperature)),
+                     (jax.grad(dense, argnums=(0, 1, 2)), (q, k, v))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text.lower()
+
+
+# ------------------------------------------------------------------------------------------------ the block plan
+
+
+def visited_pairs(plan, t, window, sink, block, band_block):
+    """Every (query token, key token) pair inside a visited block, as a set (small T only)."""
+    pairs = set()
+    token = np.asarray(plan.entry_token)
+    first = np.asarray(plan.first_key_block)
+    for query_block, start in enumerate(first):
+        for key_block in range(start, query_block + 1):
+            for i in token[query_block * block:(query_block + 1) * block]:
+                for j in token[key_block * block:(key_block + 1) * block]:
+                    pairs.add((int(i), int(j)))
+    for query_block in range(-(-t // band_block)):
+        sink_end, band_start, band_end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=sink,
+                                                                            block=band_block))
+        for key_block in list(range(sink_end)) + list(range(band_start, band_end + 1)):
+            for i in range(query_block * band_block, (query_block + 1) * band_block):
+                for j in range(key_block * band_block, (key_block + 1) * band_block):
+                    pairs.add((i, j))
+    return pairs
+
+
+@pytest.mark.parametrize("groups,k,sink", [(4, 1, 0), (5, 2, 3)])
+def test_plan_covers_every_allowed_pair(groups, k, sink):
+    t, window, block, band_block = 70, 6, 16, 8
+    membership = random_membership(12, 1, t, groups, k)
+    segment_ids = (jnp.arange(t)[None] >= 30).astype(jnp.int32)
+    plan = ks.plan(membership[0], segment_ids[0], block, band_block)
+    allowed = np.asarray(reference.focus_hard_mask(membership, window=window, segment_ids=segment_ids,
+                                                   sink=sink))[0]
+    visited = visited_pairs(plan, t, window, sink, block, band_block)
+    missing = [(i, j) for i, j in zip(*np.nonzero(allowed)) if (int(i), int(j)) not in visited]
+    assert not missing
+
+
+def test_plan_cost_is_near_the_pair_count_for_balanced_groups():
+    """Visited block area (set A blocks + set B blocks) within 10% of the allowed pairs, for balanced groups."""
+    t, groups, window, block, band_block = 32768, 8, 128, 128, 32
+    group = np.random.default_rng(0).permutation(np.arange(t) % groups)
+    membership = jnp.asarray(group[:, None] == np.arange(groups))
+    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, band_block)
+    first = np.asarray(plan.first_key_block)
+    a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
+    b_blocks = 0
+    for query_block in range(t // band_block):
+        sink_end, start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=0,
+                                                                   block=band_block))
+        b_blocks += sink_end + end - start + 1
+    counts = np.bincount(group, minlength=groups)
+    same_group = int(np.sum(counts * (counts + 1) // 2))
+    cross_local = sum(int(np.sum(group[d:] != group[:t - d])) for d in range(1, window + 1))
+    visited = a_blocks * block * block + b_blocks * band_block * band_block
+    assert visited >= same_group + cross_local
+    assert visited / (same_group + cross_local) < 1.10
