@@ -3,6 +3,13 @@
     python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
                                         [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
+    python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
+
+``kernel``: the Pallas kernels on the device (a GPU; on CPU they run in interpret mode, so only tiny sizes make
+sense there): bf16 (float32 on CPU), K = 8 balanced groups, w = 128, top-1; dense causal
+``jax.nn.dot_product_attention`` (cuDNN on GPU), focal attention through the kernel (no groups), the decomposed
+path, and the fused kernel, forward and forward + backward, with the pair ratio and the TFLOP/s achieved on the pairs
+each one computes (4 D FLOPs per pair forward, 2.5 times that backward).
 
 ``train``: tokens/s of the trainer's jitted step (forward, backward, AdamW update; float32) for the quickstart model
 (1.3M parameters, B = 16, T = 128) with each attention kind side by side, and for GPT-2 124M (B = 1, T = 512),
@@ -298,8 +305,68 @@ def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _balanced_membership(seq_len: int, groups: int, seed: int):
+    """Top-1 membership with exactly T / K tokens per group, in random order: `[1, T, K]` bool."""
+    import numpy as np
+
+    group = np.random.default_rng(seed).permutation(np.arange(seq_len) % groups)
+    return jax.numpy.asarray(group[None, :, None] == np.arange(groups))
+
+
+def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``kernel`` subcommand: dense (cuDNN) vs focal through the kernel vs decomposed vs the fused kernel."""
+    import numpy as np
+
+    from focal_jax.kernels.focus_sparse import dot_product_pallas
+
+    jnp = jax.numpy
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## kernel (B=1, H={args.heads}, D={args.head_dim}, {jnp.dtype(dtype).name}, K={_inputs.N_GROUPS} "
+          f"balanced, w={_inputs.WINDOW}, top-1, repeats={args.repeats})\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    rows = []
+    scale = args.head_dim ** -0.5
+    for seq_len in args.lengths:
+        _log(f"T={seq_len} ...")
+        keys = jax.random.split(jax.random.key(args.seed), 3)
+        q, k, v = (jax.random.normal(key, (1, seq_len, args.heads, args.head_dim), dtype) for key in keys)
+        membership = _balanced_membership(seq_len, _inputs.N_GROUPS, args.seed)
+        allowed, causal = _inputs.count_focus_pairs(membership, _inputs.WINDOW)
+        variants = {
+            f"dense causal (jax.nn, {'cudnn' if on_gpu else 'xla'})": (lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, implementation="cudnn" if on_gpu else None), causal),
+            "focal t=0.4 through the kernel": (lambda q, k, v: dot_product_pallas(
+                q, k, v, multiplier=scale / _inputs.FOCAL_T), causal),
+            "Focus decomposed": (lambda q, k, v: attention.focus_sparse_attention(
+                q, k, v, membership, window=_inputs.WINDOW, impl="decomposed"), allowed),
+            "Focus fused kernel": (lambda q, k, v: attention.focus_sparse_attention(
+                q, k, v, membership, window=_inputs.WINDOW, impl="pallas"), allowed),
+        }
+        calls, names = [], []
+        for name, (fn, pairs) in variants.items():
+            grad = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+            calls += [(jax.jit(fn), (q, k, v)), (jax.jit(grad), (q, k, v))]
+            names += [(name, "forward", pairs, 1.0), (name, "forward + backward", pairs, 3.5)]
+        times = _inputs.interleaved_times(calls, repeats=args.repeats, progress=_log)
+        medians = [statistics.median(t) for t in times]
+        for (name, direction, pairs, flop_factor), seconds in zip(names, medians):
+            dense_seconds = medians[names.index((names[0][0], direction, causal, flop_factor))]
+            theoretical = causal / pairs
+            speedup = dense_seconds / seconds
+            tflops = 4 * args.head_dim * args.heads * pairs * flop_factor / seconds / 1e12
+            rows.append([str(seq_len), name, direction, _fmt_ms(seconds), _fmt_ratio(speedup),
+                         _fmt_ratio(theoretical), _fmt_ratio(speedup / theoretical), f"{tflops:.3g}"])
+    print(_inputs.markdown_table(["T", "variant", "pass", "time (ms)", "speedup vs dense", "theoretical (1/pairs)",
+                                  "achieved / theoretical", "TFLOP/s on its pairs"], rows))
+    if not on_gpu:
+        print("\nNot a GPU: the kernels ran in Pallas interpret mode; these times say nothing about their speed.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per benchmark (``attention``, ``train``)."""
+    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -317,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--repeats", type=int, default=5, help="timed steps (median), after one warm-up")
     train.add_argument("--skip-124m", action="store_true", help="only the quickstart model")
     train.set_defaults(run=run_train)
+    kernel = sub.add_parser("kernel", help="dense (cuDNN) vs focal through the kernel vs decomposed vs fused kernel")
+    kernel.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    kernel.add_argument("--heads", type=int, default=16)
+    kernel.add_argument("--head-dim", type=int, default=128)
+    kernel.add_argument("--repeats", type=int, default=5)
+    kernel.add_argument("--seed", type=int, default=0)
+    kernel.set_defaults(run=run_kernel)
     return parser
 
 

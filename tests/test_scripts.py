@@ -42,3 +42,10 @@ def test_bench_train_prints_every_kind(capsys):
     out = capsys.readouterr().out
     for kind in ("dense", "focal (t=0.4)", "focal learned", "focus soft"):
         assert f"| {kind}" in out
+
+
+def test_bench_kernel_prints_every_variant(capsys):
+    assert bench.main(["kernel", "--lengths", "256", "--heads", "2", "--head-dim", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("dense causal", "focal t=0.4 through the kernel", "Focus decomposed", "Focus fused kernel"):
+        assert out.count(f"| {name}") == 2, name  # forward and forward + backward

@@ -352,7 +352,8 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
 
 def experiment_args(base_workdir: str) -> dict:
     """The runlocal argument of every experiment file (a new experiment must be added here)."""
-    return {"quickstart": "runlocal", "focus_retrofit": f"runlocal,init_from={base_workdir}"}
+    return {"quickstart": "runlocal", "focus_retrofit": f"runlocal,init_from={base_workdir}",
+            "focus_sparse": "runlocal"}
 
 
 def test_every_experiment_runs_two_steps(tmp_path, cache_dir):
