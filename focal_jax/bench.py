@@ -315,8 +315,6 @@ def _balanced_membership(seq_len: int, groups: int, seed: int):
 
 def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``kernel`` subcommand: dense (cuDNN) vs focal through the kernel vs decomposed vs the fused kernel."""
-    import numpy as np
-
     from focal_jax.kernels.focus_sparse import dot_product_pallas
 
     jnp = jax.numpy
