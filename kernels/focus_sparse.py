@@ -1,4 +1,5 @@
-"""Block-sparse hard Focus attention as Pallas kernels (forward), masks computed in the kernel from per-token ids.
+"""Block-sparse hard Focus attention as Pallas kernels, forward and backward, with the masks computed inside the
+kernels from per-token ids.
 
 The allowed pairs of `focal_jax.attention.focus_mask` split as in `focal_jax.attention.decomposed`:
 
@@ -11,7 +12,9 @@ The allowed pairs of `focal_jax.attention.focus_mask` split as in `focal_jax.att
 Each kernel program owns one query block of one head, walks its key blocks with an online softmax and writes the
 normalised output and the log-sum-exp of its rows; the two sets are merged per token by log-sum-exp. A key block
 whose pairs are all allowed (*full*: one group, one segment, strictly earlier, no multi-group query) skips the
-element mask. No `[T, T]` array exists anywhere. On CPU the kernels run with `interpret=True`.
+element mask. The backward pass (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel
+per query block and a dk / dv kernel per key block (walking the query blocks that visit it). No `[T, T]` array
+exists anywhere. Backends: Triton on GPU, Pallas interpret mode elsewhere (the TPU lowering is not written yet).
 """
 
 import functools
@@ -23,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from focal_jax.attention.decomposed import _routing
+from focal_jax.attention.decomposed import _groups_below, _routing
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
 
@@ -31,7 +34,8 @@ NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max fr
 class Plan(NamedTuple):
     """Per-sequence integer description of the work (from `plan`); no gradients flow through it.
 
-    Entry arrays (set A) have `E` = a multiple of `block` rows, token arrays (set B) `Tp` = T rounded up to `block`.
+    Entry arrays (set A) have `E` = a multiple of `block` rows, token arrays (set B) `Tp` = T rounded up to
+    `band_block`.
     """
     entry_token: jax.Array   # [E] token of each entry, sorted by (group, position); T for padding
     entry_group: jax.Array   # [E] group of each entry; K for padding
@@ -84,11 +88,6 @@ def _pad_words(words):
     """Membership words `[T + 1, W]` padded with zero words to a power-of-two W (Triton's shapes)."""
     n_words = words.shape[1]
     return jnp.pad(words, ((0, 0), (0, pl.next_power_of_2(n_words) - n_words)))
-
-
-def _groups_below(group, n_words):
-    count = jnp.clip(group[..., None] - 31 * jnp.arange(n_words), 0, 31)
-    return jnp.where(count >= 31, 0x7FFFFFFF, (1 << count) - 1).astype(jnp.int32)
 
 
 def band_key_blocks(query_block, *, window: int, sink: int, block: int):
