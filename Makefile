@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo attention-demo test bench clean
+.PHONY: demo attention-demo test bench gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m focal_jax.bench attention
+	$(PY) -m focal_jax.bench train
+
+# On a GPU machine with jax installed and no network (the device machine): install this checkout without its
+# dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). Wheels of
+# dependencies that machine lacks must be installed first.
+gpu-check:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
+	$(PYTHON) -m focal_jax.bench kernel
+	$(PYTHON) -m focal_jax.bench train --size 400M
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -3,6 +3,7 @@
     python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
                                         [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
+    python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
 
 ``kernel``: the Pallas kernels on the device (a GPU; on CPU they run in interpret mode, so only tiny sizes make
@@ -237,7 +238,8 @@ def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int) -> float:
+def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int,
+                        compute_dtype=jax.numpy.float32) -> float:
     """Median seconds of the trainer's jitted step on random tokens (one packed document per row)."""
     import numpy as np
 
@@ -246,7 +248,7 @@ def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: in
 
     graphdef, trainable, frozen = split_trainable(model, optim)
     tx = make_optimizer(optim, total_steps=100)
-    step = jax.jit(make_steps(graphdef, tx, jax.numpy.float32)[0], donate_argnums=(0, 1))
+    step = jax.jit(make_steps(graphdef, tx, compute_dtype)[0], donate_argnums=(0, 1))
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, model.config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -264,8 +266,44 @@ def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: in
     return statistics.median(times)
 
 
+def run_train_size(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``train --size S``: tokens/s and MFU of a Focal paper model's train step (bf16 compute, float32 parameters
+    and AdamW state, one device), per attention kind."""
+    from flax import nnx
+
+    from focal_jax.nn.llama import Llama, focal_config
+    from focal_jax.train.metrics import mfu, peak_flops, train_flops_per_token
+    from focal_jax.train.optimizer import OptimConfig
+    from focal_jax.train.trainer import matmul_param_count
+
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## train step, {args.size} (bf16 compute, AdamW, B={args.batch}, T={args.seq_len}, median of "
+          f"{args.repeats} after one warm-up)\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    kinds = {"dense": {}, "focal (t=0.4)": {"kind": "focal"}, "focal learned": {"kind": "focal_learned"},
+             "Focus hard top-1 (K=8, w=128, pallas)": {"kind": "focus", "impl": "pallas", "focus_topk": 1,
+                                                       "focus_causal": True}}
+    rows, peak = [], peak_flops()
+    for name, attn in kinds.items():
+        _log(f"{args.size} {name} ...")
+        config = focal_config(args.size, attn=attn, remat=args.remat)
+        model = Llama(config, rngs=nnx.Rngs(0))
+        flops = train_flops_per_token(matmul_param_count(model), config.n_layers, args.seq_len, config.d_model)
+        seconds = _train_step_seconds(model, OptimConfig(), args.batch, args.seq_len, args.repeats,
+                                      jax.numpy.bfloat16)
+        del model
+        tokens_per_s = args.batch * args.seq_len / seconds
+        utilisation = mfu(tokens_per_s, flops, 1, peak)
+        rows.append([args.size, name, _fmt_ms(seconds), f"{tokens_per_s:,.0f}",
+                     "n/a (peak unknown)" if utilisation is None else f"{100 * utilisation:.1f}%"])
+    print(_inputs.markdown_table(["model", "attention", "step (ms)", "tokens/s", "MFU"], rows))
+    return 0
+
+
 def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``train`` subcommand: tokens/s of the train step, attention kinds side by side."""
+    if args.size:
+        return run_train_size(args, argv)
     from flax import nnx
 
     from focal_jax.nn.gpt2 import GPT2, GPT2Config
@@ -381,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="tokens/s of the train step: quickstart model per attention kind, GPT-2 124M")
     train.add_argument("--repeats", type=int, default=5, help="timed steps (median), after one warm-up")
     train.add_argument("--skip-124m", action="store_true", help="only the quickstart model")
+    train.add_argument("--size", default=None, help="instead: a Focal paper size (e.g. 400M), MFU on one device")
+    train.add_argument("--batch", type=int, default=8, help="with --size: sequences per step")
+    train.add_argument("--seq-len", type=int, default=2048, help="with --size: tokens per sequence")
+    train.add_argument("--remat", action="store_true", help="with --size: rematerialise each block")
     train.set_defaults(run=run_train)
     kernel = sub.add_parser("kernel", help="dense (cuDNN) vs focal through the kernel vs decomposed vs fused kernel")
     kernel.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])

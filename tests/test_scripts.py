@@ -49,3 +49,10 @@ def test_bench_kernel_prints_every_variant(capsys):
     out = capsys.readouterr().out
     for name in ("dense causal", "focal t=0.4 through the kernel", "Focus decomposed", "Focus fused kernel"):
         assert out.count(f"| {name}") == 2, name  # forward and forward + backward
+
+
+def test_bench_train_size_prints_every_kind(capsys):
+    assert bench.main(["train", "--size", "tiny", "--batch", "2", "--seq-len", "32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("dense", "focal (t=0.4)", "focal learned", "Focus hard top-1"):
+        assert f"| {kind}" in out
