@@ -30,21 +30,21 @@ def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
         assert_close(g, e, atol=atol * scale, what=f"{what} d{name}")
 
 
-CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, softcap, block, band_block)
-    "odd length, top-1": (77, 3, 1, 5, 0, False, 4, 4, None, 16, 8),
-    "top-2, segments, GQA": (70, 4, 2, 9, 0, True, 4, 2, None, 32, 16),
-    "one group": (50, 1, 1, 4, 0, False, 2, 1, None, 16, 8),
-    "more groups than tokens (two bitmask words), top-3": (20, 40, 3, 3, 0, False, 2, 2, None, 16, 8),
-    "window 0, sink 3, softcap": (45, 3, 1, 0, 3, True, 2, 2, 20.0, 16, 8),
-    "window >= T": (40, 4, 1, 64, 0, False, 2, 2, None, 16, 16),
-    "k = K": (33, 3, 3, 2, 0, False, 2, 1, None, 16, 8),
+CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head_dim, softcap, block, band_block)
+    "odd length, top-1": (77, 3, 1, 5, 0, False, 4, 4, 16, None, 16, 8),
+    "top-2, segments, GQA, head_dim 64": (70, 4, 2, 9, 0, True, 4, 2, 64, None, 32, 16),
+    "one group": (50, 1, 1, 4, 0, False, 2, 1, 16, None, 16, 8),
+    "more groups than tokens (two bitmask words), top-3": (20, 40, 3, 3, 0, False, 2, 2, 16, None, 16, 8),
+    "window 0, sink 3, softcap": (45, 3, 1, 0, 3, True, 2, 2, 16, 20.0, 16, 8),
+    "window >= T, head_dim 128": (40, 4, 1, 64, 0, False, 2, 2, 128, None, 16, 16),
+    "k = K": (33, 3, 3, 2, 0, False, 2, 1, 16, None, 16, 8),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_focus_kernel_matches_reference(name):
-    t, groups, k, window, sink, segmented, h, hk, softcap, block, band_block = CASES[name]
-    q, key, v = rand_qkv(len(name), 2, t, h, hk, 16)
+    t, groups, k, window, sink, segmented, h, hk, d, softcap, block, band_block = CASES[name]
+    q, key, v = rand_qkv(len(name), 2, t, h, hk, d)
     membership = random_membership(1, 2, t, groups, k)
     segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
     temperature = jax.random.uniform(jax.random.key(2), (2, t, h), minval=0.5, maxval=2.0)
@@ -54,7 +54,7 @@ def test_focus_kernel_matches_reference(name):
                                               segment_ids=segment_ids, sink=sink, softcap=softcap)
 
     def kernel(q, key, v, temperature):
-        return ks.focus_sparse_pallas(q, key, v, membership, multiplier=16 ** -0.5 / temperature, window=window,
+        return ks.focus_sparse_pallas(q, key, v, membership, multiplier=d ** -0.5 / temperature, window=window,
                                       segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block,
                                       band_block_size=band_block)
 
