@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from focal_jax.attention.decomposed import _groups_below, _routing
+from focal_jax.attention.decomposed import _groups_below, _routing, _with_dummy_row
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
 
@@ -270,7 +270,7 @@ def default_backend() -> str:
 
 def _take_rows(x, index):
     """`x [B, T, ...]` at rows `index [B, E]`; index T reads a zero row."""
-    return jax.vmap(lambda x, i: jnp.concatenate([x, jnp.zeros_like(x[:1])])[i])(x, index)
+    return jax.vmap(lambda x, i: _with_dummy_row(x)[i])(x, index)
 
 
 def _scatter_rows(x, index, t):

@@ -20,8 +20,7 @@ from focal_jax.convert.hf import from_hf
 from focal_jax.data import build_data, train_iterator
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.llama import Llama
-from focal_jax.nn.retrofit import retrofit
-from focal_jax.nn.variables import Centroid, Temperature
+from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import DTYPES, RunConfig, check_config, config_differences
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
@@ -48,7 +47,7 @@ def build_model(run: RunConfig, *, seed: int):
 def new_param_paths(model) -> set[str]:
     """Paths of the parameters a retrofit or a new attention kind adds (`Centroid`, `Temperature`): the only ones
     that may be missing from a pretrained checkpoint."""
-    return set(param_paths(nnx.state(model, nnx.Any(nnx.OfType(Centroid), nnx.OfType(Temperature)))))
+    return set(param_paths(nnx.state(model, NEW_TYPES)))
 
 
 def load_pretrained(model, workdir: str, *, with_base: bool = True):
