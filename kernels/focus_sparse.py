@@ -9,26 +9,37 @@ The allowed pairs of `focal_jax.attention.focus_mask` split as in `focal_jax.att
   B. cross-group local pairs (and, with a sink, cross-group pairs with the first `sink` keys), computed in token
      order: query block `i` visits the key blocks of `[i * block - window, (i + 1) * block)` plus the sink blocks.
 
-Each kernel program owns one query block of one head, walks its key blocks with an online softmax and writes the
-normalised output and the log-sum-exp of its rows; the two sets are merged per token by log-sum-exp. A key block
-whose pairs are all allowed (*full*: one group, one segment, strictly earlier, no multi-group query) skips the
-element mask. The backward pass (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel
-per query block and a dk / dv kernel per key block (walking the query blocks that visit it). No `[T, T]` array
-exists anywhere. Backends: Triton on GPU, Pallas interpret mode elsewhere (the TPU lowering is not written yet).
+Each kernel program owns one block of one head and walks the blocks it pairs with, with an online softmax in the
+forward pass; the two sets are merged per token by log-sum-exp. A key block whose pairs are all allowed (*full*:
+one group, one segment, strictly earlier, no multi-group query) skips the element mask. The backward pass
+(`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel per query block and a dk / dv
+kernel per key block (walking the query blocks that visit it). No `[T, T]` array exists anywhere.
+
+Layouts: activations are head-major `[B, H, rows, C]`; the per-token ids come twice, as columns `[B, rows, C]`
+(query side, read as `[block, 1]`) and as rows `[B, C, rows]` (key side, read as `[1, block]`), so every mask is a
+broadcast of a column against a row.
+
+Backends (`BACKENDS`): 'triton' (GPU: Pallas's Triton lowering; a program reads the blocks it walks straight from
+global memory), 'mosaic' (TPU: each walked block is copied from HBM into a VMEM buffer by DMA; blocks must be
+multiples of 128), and the interpret modes of both, which run anywhere: 'interpret' (the GPU form) and
+'mosaic_interpret' (the TPU form, its DMAs simulated).
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from focal_jax.attention.decomposed import _groups_below, _routing, _with_dummy_row
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
+TOKEN, GROUP, SEGMENT = 0, 1, 2  # columns of set A's ids
+UNIFORM = 0  # row of `Plan.block_info` (then GROUP, SEGMENT)
 
 
 class Plan(NamedTuple):
@@ -43,8 +54,9 @@ class Plan(NamedTuple):
     entry_words: jax.Array   # [E, W] membership bitmask of the entry's token
     entry_lower: jax.Array   # [E, W] bitmask of the groups below the entry's group that its token belongs to
     first_key_block: jax.Array  # [E / block] first key block of each query entry block; > its index when empty
-    block_info: jax.Array    # [E / block, 4] (uniform, group, segment, 0): uniform = one group, one segment, all
-                             # real, all single-group tokens (4 columns: Triton wants power-of-two shapes)
+    last_query_block: jax.Array  # [E / block] last query block that visits each key entry block
+    block_info: jax.Array    # [4, E / block] rows (uniform, group, segment, 0): uniform = one group, one segment,
+                             # all real, all single-group tokens (4 rows: Triton wants power-of-two shapes)
     token_segment: jax.Array  # [Tp] segment per token; -1 for padding
     token_words: jax.Array   # [Tp, W]
 
@@ -72,13 +84,14 @@ def plan(membership, segment_ids, block: int, band_block: int) -> Plan:
     block_index = jnp.arange(n_blocks)
     first_group = jnp.minimum(blocks(group)[:, 0], k - 1)
     first = routing.group_start[first_group] // block
-    first = jnp.where(blocks(real)[:, 0], first, block_index + 1)  # empty (padding) blocks visit nothing
+    first = jnp.where(blocks(real)[:, 0], first, block_index + 1).astype(jnp.int32)  # padding blocks visit nothing
+    last = jnp.searchsorted(first, block_index, side="right") - 1  # `first` is non-decreasing
     tp = -(-t // band_block) * band_block
     return Plan(
         entry_token=token, entry_group=group, entry_segment=segment, entry_words=words,
-        entry_lower=words & below, first_key_block=first.astype(jnp.int32),
+        entry_lower=words & below, first_key_block=first, last_query_block=last.astype(jnp.int32),
         block_info=jnp.stack([uniform.astype(jnp.int32), blocks(group)[:, 0], blocks(segment)[:, 0],
-                              jnp.zeros(n_blocks, jnp.int32)], axis=1),
+                              jnp.zeros(n_blocks, jnp.int32)]),
         token_segment=jnp.pad(segment_ids.astype(jnp.int32), (0, tp - t), constant_values=-1),
         token_words=jnp.pad(routing.words[:t], ((0, tp - t), (0, 0))),
     )
@@ -90,135 +103,234 @@ def _pad_words(words):
     return jnp.pad(words, ((0, 0), (0, pl.next_power_of_2(n_words) - n_words)))
 
 
+def _div(a, b):
+    """`a // b` for non-negative integers (truncating division: Mosaic's floor division needs the TPU's
+    generation)."""
+    return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
 def band_key_blocks(query_block, *, window: int, sink: int, block: int):
     """Set B's key blocks of query block `query_block`: `(sink_end, band_start, band_end)`, visiting sink blocks
     `[0, sink_end)` and band blocks `[band_start, band_end]` (`sink_end <= band_start`)."""
-    band_start = jnp.maximum(query_block * block - window, 0) // block
+    band_start = _div(jnp.maximum(query_block * block - window, 0), block)
     sink_end = jnp.minimum(-(-sink // block), band_start)
     return sink_end, band_start, query_block
 
 
-# ------------------------------------------------------------------------------------------------ kernels
+def band_query_blocks(key_block, n_blocks, *, window: int, sink: int, block: int):
+    """The query blocks whose set-B pass visits `key_block`: `[key_block, last]` (the transpose of
+    `band_key_blocks`; every query block from `key_block` on for a sink block)."""
+    band_last = _div((key_block + 1) * block + window - 1, block)
+    is_sink = key_block < -(-sink // block)
+    return key_block, jnp.where(is_sink, n_blocks - 1, jnp.minimum(band_last, n_blocks - 1))
+
+
+# ------------------------------------------------------------------------------------------------ kernel pieces
+
+
+def _column(ref, c):
+    """Column `c` of a query-side ids block `[n, C]` -> `[n, 1]`."""
+    return ref[:, pl.ds(c, 1)]
+
+
+def _row(ref, c):
+    """Row `c` of a key-side ids block `[C, n]` -> `[1, n]`."""
+    return ref[pl.ds(c, 1), :]
+
+
+def _matmul(a, b, contract):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
 def _scores(q, k, softcap):
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = _matmul(q, k, ((1,), (1,)))
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
+def _shares(query_words, key_words):
+    """Query-side `[bq, W]` and key-side `[W, bk]` bitmask refs -> `[bq, bk]` bool: a common bit."""
+    common = None
+    for w in range(query_words.shape[1]):
+        word = (_column(query_words, w) & _row(key_words, w)) != 0
+        common = word if common is None else common | word
+    return common
+
+
+def _group_allowed(query_ids, query_lower, key_ids, key_words):
+    """Set A's mask `[bq, bk]`: same group, causal, same segment, real, no lower group shared."""
+    query_segment = _column(query_ids, SEGMENT)
+    return ((_column(query_ids, GROUP) == _row(key_ids, GROUP)) & (_row(key_ids, TOKEN) <= _column(query_ids, TOKEN))
+            & (query_segment == _row(key_ids, SEGMENT)) & (query_segment >= 0)
+            & ~_shares(query_lower, key_words))
+
+
+def _is_full(info, query_block, key_block):
+    """Whether every pair of a set-A block is allowed: one group and one segment on both sides, strictly earlier
+    keys, real single-group entries."""
+    return ((key_block < query_block) & (info[UNIFORM, query_block] == 1) & (info[UNIFORM, key_block] == 1)
+            & (info[GROUP, query_block] == info[GROUP, key_block])
+            & (info[SEGMENT, query_block] == info[SEGMENT, key_block]))
+
+
+def _group_scores(q, k, query_side, key_side, info, query_block, key_block, softcap):
+    """Set A's scores of one block pair, NEG_INF where not allowed (the element mask skipped for full blocks);
+    `query_side` = (ids, lower) and `key_side` = (ids, words) refs of the two blocks."""
+    masked = lambda s: jnp.where(_group_allowed(*query_side, *key_side), s, NEG_INF)
+    return jax.lax.cond(_is_full(info, query_block, key_block), lambda s: s, masked, _scores(q, k, softcap))
+
+
+def _band_scores(q, k, query_side, key_side, query_block, key_block, block, window, sink, n_tokens, softcap):
+    """Set B's scores of one block pair, NEG_INF where not allowed: causal, local or a sink key, real, same
+    segment, no group shared; `query_side` and `key_side` = (segment, words) refs of the two blocks."""
+    (query_segment, query_words), (key_segment, key_words) = query_side, key_side
+    q_pos = query_block * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+    k_pos = key_block * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+    distance = q_pos - k_pos
+    allowed = ((distance >= 0) & ((distance <= window) | (k_pos < sink)) & (q_pos < n_tokens) & (k_pos < n_tokens)
+               & (query_segment[...] == key_segment[...]) & ~_shares(query_words, key_words))
+    return jnp.where(allowed, _scores(q, k, softcap), NEG_INF)
+
+
 def _online(carry, s, v):
-    """One online-softmax step: carry (acc [bq, Dv], m [bq], l [bq]), scores s [bq, bk] (masked = NEG_INF)."""
+    """One online-softmax step: carry (acc [bq, Dv], m [bq, 1], l [bq, 1]), scores s [bq, bk] (masked =
+    NEG_INF)."""
     acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp(s - m_new[:, None])
-    p = jnp.where(s > NEG_INF / 2, p, 0.0)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(s > NEG_INF / 2, jnp.exp(s - m_new), 0.0)
     correction = jnp.exp(m - m_new)
-    acc = acc * correction[:, None] + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                          preferred_element_type=jnp.float32)
-    return acc, m_new, l * correction + jnp.sum(p, axis=1)
+    acc = acc * correction + _matmul(p.astype(v.dtype), v, ((1,), (0,)))
+    return acc, m_new, l * correction + jnp.sum(p, axis=1, keepdims=True)
+
+
+def _empty_carry(rows, dv):
+    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows, 1), NEG_INF, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
 
 
 def _finish(carry, o_ref, lse_ref):
     acc, m, l = carry
     empty = l == 0.0
-    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+    safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty, 0.0, acc / safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(safe))
 
 
-def _shares(words_a, words_b):
-    """[bq, W] x [bk, W] int bitmasks -> [bq, bk] bool: any common bit (a sum, not `any`: Triton has no
-    reduce_or)."""
-    common = ((words_a[:, None, :] & words_b[None, :, :]) != 0).astype(jnp.int32)
-    return jnp.sum(common, axis=-1) > 0
+def _grad_scores(s, lse, do, v, delta, softcap):
+    """Flash-attention backward of one block: p = exp(s - lse) on the allowed pairs (lse, delta `[bq, 1]`);
+    d(raw score) `[bq, bk]`."""
+    allowed = s > NEG_INF / 2
+    p = jnp.where(allowed, jnp.exp(s - lse), 0.0)
+    ds = p * (_matmul(do, v, ((1,), (1,))) - delta)
+    if softcap is not None:
+        ds = ds * jnp.where(allowed, 1.0 - (s / softcap) ** 2, 0.0)
+    return p, ds
 
 
-def _group_ids(token_ref, group_ref, segment_ref, words_ref, lower_ref, rows):
-    """The ids of the entries `rows` that set A's mask needs."""
-    return token_ref[rows], group_ref[rows], segment_ref[rows], words_ref[rows, :], lower_ref[rows, :]
+# ------------------------------------------------------------------------------------------------ kernels
+# Arguments: the program's own blocks are refs; the operands it walks are `_Walked` (`.at(j)` is block j's ref).
 
 
-def _group_allowed(q_ids, k_ids):
-    """Set A's mask `[bq, bk]`: same group, causal, same segment, real, no lower group shared."""
-    q_token, q_group, q_segment, _, q_lower = q_ids
-    k_token, k_group, k_segment, k_words, _ = k_ids
-    return ((q_group[:, None] == k_group[None, :]) & (k_token[None, :] <= q_token[:, None])
-            & (q_segment[:, None] == k_segment[None, :]) & (q_segment[:, None] >= 0) & ~_shares(q_lower, k_words))
-
-
-def _is_full(info_ref, query_block, key_block):
-    """Whether every pair of a set-A block is allowed: one group and one segment on both sides, strictly earlier
-    keys, real single-group entries."""
-    def field(block, column):
-        return info_ref[block, column]
-
-    return ((key_block < query_block) & (field(query_block, 0) == 1) & (field(key_block, 0) == 1)
-            & (field(query_block, 1) == field(key_block, 1)) & (field(query_block, 2) == field(key_block, 2)))
-
-
-def _group_scores(q, k, ids_refs, info_ref, query_block, key_block, block, softcap):
-    """Set A's scores of one block pair, NEG_INF where not allowed (the element mask skipped for full blocks)."""
-    s = _scores(q, k, softcap)
-
-    def masked(s):
-        q_ids = _group_ids(*ids_refs, pl.ds(query_block * block, block))
-        k_ids = _group_ids(*ids_refs, pl.ds(key_block * block, block))
-        return jnp.where(_group_allowed(q_ids, k_ids), s, NEG_INF)
-
-    return jax.lax.cond(_is_full(info_ref, query_block, key_block), lambda s: s, masked, s)
-
-
-def _band_scores(q, k, segment_ref, words_ref, query_block, key_block, block, window, sink, n_tokens, softcap):
-    """Set B's scores of one block pair, NEG_INF where not allowed: causal, local or a sink key, real, same
-    segment, no group shared."""
-    rows, cols = pl.ds(query_block * block, block), pl.ds(key_block * block, block)
-    q_pos = query_block * block + jnp.arange(block)
-    k_pos = key_block * block + jnp.arange(block)
-    distance = q_pos[:, None] - k_pos[None, :]
-    allowed = ((distance >= 0) & ((distance <= window) | (k_pos[None, :] < sink))
-               & (q_pos[:, None] < n_tokens) & (k_pos[None, :] < n_tokens)
-               & (segment_ref[rows][:, None] == segment_ref[cols][None, :])
-               & ~_shares(words_ref[rows, :], words_ref[cols, :]))
-    return jnp.where(allowed, _scores(q, k, softcap), NEG_INF)
-
-
-def _empty_carry(block, dv):
-    return (jnp.zeros((block, dv), jnp.float32), jnp.full((block,), NEG_INF, jnp.float32),
-            jnp.zeros((block,), jnp.float32))
-
-
-def _group_kernel(first_ref, info_ref, token_ref, group_ref, segment_ref, words_ref, lower_ref, q_ref, k_ref, v_ref,
-                  o_ref, lse_ref, *, block, softcap):
+def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, *, softcap):
     """Set A forward for one query entry block of one head."""
     i = pl.program_id(2)
-    q = q_ref[...]
-    ids_refs = (token_ref, group_ref, segment_ref, words_ref, lower_ref)
+    q_block = q[...]
 
-    def step(key_block, carry):
-        cols = pl.ds(key_block * block, block)
-        s = _group_scores(q, k_ref[cols, :], ids_refs, info_ref, i, key_block, block, softcap)
-        return _online(carry, s, v_ref[cols, :])
+    def step(j, carry):
+        s = _group_scores(q_block, k.at(j)[...], (q_ids, q_lower), (k_ids.at(j), k_words.at(j)), info, i, j,
+                          softcap)
+        return _online(carry, s, v.at(j)[...])
 
-    _finish(jax.lax.fori_loop(first_ref[i], i + 1, step, _empty_carry(block, v_ref.shape[-1])), o_ref, lse_ref)
+    _finish(jax.lax.fori_loop(first[i], i + 1, step, _empty_carry(*o.shape)), o, lse)
 
 
-def _band_kernel(segment_ref, words_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block, window, sink, n_tokens,
+def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, sink, n_tokens,
                  softcap):
     """Set B forward for one query token block of one head."""
     i = pl.program_id(2)
-    q = q_ref[...]
+    q_block = q[...]
 
-    def step(key_block, carry):
-        cols = pl.ds(key_block * block, block)
-        s = _band_scores(q, k_ref[cols, :], segment_ref, words_ref, i, key_block, block, window, sink, n_tokens,
-                         softcap)
-        return _online(carry, s, v_ref[cols, :])
+    def step(j, carry):
+        s = _band_scores(q_block, k.at(j)[...], (q_segment, q_words), (k_segment.at(j), k_words.at(j)), i, j,
+                         block, window, sink, n_tokens, softcap)
+        return _online(carry, s, v.at(j)[...])
 
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    carry = jax.lax.fori_loop(0, sink_end, step, _empty_carry(block, v_ref.shape[-1]))
-    _finish(jax.lax.fori_loop(band_start, band_end + 1, step, carry), o_ref, lse_ref)
+    carry = jax.lax.fori_loop(0, sink_end, step, _empty_carry(*o.shape))
+    _finish(jax.lax.fori_loop(band_start, band_end + 1, step, carry), o, lse)
 
 
-BACKENDS = ("interpret", "triton")
+def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, softcap):
+    """Set A: dq of one query entry block of one head (keys as in the forward pass)."""
+    i = pl.program_id(2)
+    q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
+
+    def step(j, acc):
+        k_block = k.at(j)[...]
+        s = _group_scores(q_block, k_block, (q_ids, q_lower), (k_ids.at(j), k_words.at(j)), info, i, j, softcap)
+        _, ds = _grad_scores(s, lse_block, do_block, v.at(j)[...], delta_block, softcap)
+        return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
+
+    dq[...] = jax.lax.fori_loop(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32))
+
+
+def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids, q_lower, dk, dv, *, softcap):
+    """Set A: dk, dv of one key entry block from one query head (the query blocks that visit it)."""
+    j = pl.program_id(2)
+    k_block, v_block = k[...], v[...]
+
+    def step(i, carry):
+        q_block, do_block = q.at(i)[...], do.at(i)[...]
+        s = _group_scores(q_block, k_block, (q_ids.at(i), q_lower.at(i)), (k_ids, k_words), info, i, j, softcap)
+        p, ds = _grad_scores(s, lse.at(i)[...], do_block, v_block, delta.at(i)[...], softcap)
+        return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
+                carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
+
+    zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
+    dk[...], dv[...] = jax.lax.fori_loop(j, last[j] + 1, step, zeros)
+
+
+def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
+                    n_tokens, softcap):
+    """Set B: dq of one query token block of one head."""
+    i = pl.program_id(2)
+    q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
+
+    def step(j, acc):
+        k_block = k.at(j)[...]
+        s = _band_scores(q_block, k_block, (q_segment, q_words), (k_segment.at(j), k_words.at(j)), i, j, block,
+                         window, sink, n_tokens, softcap)
+        _, ds = _grad_scores(s, lse_block, do_block, v.at(j)[...], delta_block, softcap)
+        return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
+
+    sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
+    acc = jax.lax.fori_loop(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32))
+    dq[...] = jax.lax.fori_loop(band_start, band_end + 1, step, acc)
+
+
+def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
+                     sink, n_tokens, n_blocks, softcap):
+    """Set B: dk, dv of one key token block from one query head."""
+    j = pl.program_id(2)
+    k_block, v_block = k[...], v[...]
+
+    def step(i, carry):
+        q_block, do_block = q.at(i)[...], do.at(i)[...]
+        s = _band_scores(q_block, k_block, (q_segment.at(i), q_words.at(i)), (k_segment, k_words), i, j, block,
+                         window, sink, n_tokens, softcap)
+        p, ds = _grad_scores(s, lse.at(i)[...], do_block, v_block, delta.at(i)[...], softcap)
+        return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
+                carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
+
+    first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
+    zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
+    dk[...], dv[...] = jax.lax.fori_loop(first, last + 1, step, zeros)
+
+
+# ------------------------------------------------------------------------------------------------ calling them
+
+
+BACKENDS = ("interpret", "triton", "mosaic", "mosaic_interpret")
+TPU_BACKENDS = ("mosaic", "mosaic_interpret")
 
 
 class Settings(NamedTuple):
@@ -234,109 +346,201 @@ class Settings(NamedTuple):
     band: bool = True    # compute set B (False when every token is in the one group)
 
 
-def _spec(rows, tail=(), head=None, heads_per_kv=1, block=None):
-    """BlockSpec over `[B, rows, (H,) *tail]` arrays for the grid (batch, query head, block):
-    `block` rows of program `i` (else all rows); `head` 'q' picks the program's head, 'kv' its kv head."""
-    size = block or rows
-    zeros = (0,) * len(tail)
-
-    def index(bi, hi, i):
-        row = i if block else 0
-        if head is None:
-            return (bi, row) + zeros
-        return (bi, row, hi if head == "q" else hi // heads_per_kv) + zeros
-
-    shape = (None, size) + ((None,) if head else ()) + tail
-    return pl.BlockSpec(shape, index)
+class _Operand(NamedTuple):
+    """A kernel input or output and how a program (batch b, head h, block i) sees it."""
+    array: Any       # a jax.Array (input) or jax.ShapeDtypeStruct (output)
+    layout: str      # 'head' [B, H or Hk, rows, C]; 'column' [B, rows, C]; 'row' [B, C, rows]; 'table' [B, ...]
+                     # (small integers, read as scalars)
+    block: int | None = None  # the program's own block of rows (i); None: walked block by block in the kernel
+    heads_per_kv: int = 1     # 'head' with Hk heads: query head h reads head h // heads_per_kv
 
 
-def _lse_spec(rows, block=None):
-    """BlockSpec over `[B, H, rows]` (log-sum-exp, delta)."""
-    return pl.BlockSpec((None, None, block or rows), lambda bi, hi, i: (bi, hi, i if block else 0))
+class _Walked(NamedTuple):
+    """An operand a kernel walks: `at(j)` is the ref of its j-th block of `rows` rows (row layout: columns)."""
+    ref: Any
+    layout: str
+    rows: int
+    buffer: Any = None  # TPU: the VMEM buffer a block is copied into
+    index: tuple = ()   # TPU: the program's leading indices into the whole HBM array
+
+    def at(self, j):
+        start = pl.multiple_of(j * self.rows, self.rows)
+        window = ((slice(None), pl.ds(start, self.rows)) if self.layout == "row"
+                  else (pl.ds(start, self.rows), slice(None)))
+        if self.buffer is None:
+            return _Block(self.ref, window)
+        pltpu.sync_copy(self.ref.at[self.index + window], self.buffer)
+        return self.buffer
 
 
-def _call(kernel, in_specs, out_specs, out_shape, grid, backend, name):
-    # GPU: the Triton lowering (K / V stay in global memory and are read block by block; Mosaic GPU would stage the
-    # whole per-head sequence in shared memory).
-    params = plt.CompilerParams(num_warps=4, num_stages=2) if backend == "triton" else None
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=backend == "interpret", name=name, compiler_params=params)
+class _Block:
+    """A block of a whole 2-D ref, read with one combined indexer (Triton's lowering takes no chained `.at`)."""
+
+    def __init__(self, ref, window):
+        self.ref, self.window = ref, window
+        self.shape = tuple(ref.shape[axis] if w == slice(None) else w.size for axis, w in enumerate(window))
+
+    def __getitem__(self, index):
+        if index is Ellipsis:
+            return self.ref[self.window]
+        return self.ref[tuple(w if i == slice(None) else i for w, i in zip(self.window, index))]
+
+
+def _spec(operand: _Operand, tpu: bool):
+    shape, block = operand.array.shape, operand.block
+    if operand.layout == "table":
+        zeros = (0,) * (len(shape) - 1)
+        return pl.BlockSpec((None,) + shape[1:], lambda b, h, i: (b,) + zeros,
+                            memory_space=pltpu.SMEM if tpu else None)
+    if tpu and block is None:
+        return pl.BlockSpec(memory_space=pl.ANY)
+    row = (lambda i: i) if block else (lambda i: 0)
+    if operand.layout == "head":
+        g = operand.heads_per_kv
+        return pl.BlockSpec((None, None, block or shape[2], shape[3]), lambda b, h, i: (b, _div(h, g), row(i), 0))
+    if operand.layout == "column":
+        return pl.BlockSpec((None, block or shape[1], shape[2]), lambda b, h, i: (b, row(i), 0))
+    return pl.BlockSpec((None, shape[1], block or shape[2]), lambda b, h, i: (b, 0, row(i)))
+
+
+def _call(body, inputs, outputs, grid, backend, name, walk_rows):
+    """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) through `backend`; the inputs without
+    a `block` reach it as `_Walked` with blocks of `walk_rows`. Returns the outputs."""
+    tpu = backend in TPU_BACKENDS
+    walked = [op.block is None and op.layout != "table" for op in inputs]
+    buffers = []
+    if tpu:
+        buffers = [pltpu.VMEM((op.array.shape[1], walk_rows) if op.layout == "row"
+                              else (walk_rows, op.array.shape[-1]), op.array.dtype)
+                   for op, w in zip(inputs, walked) if w]
+
+    def kernel(*refs):
+        in_refs, out_refs = refs[:len(inputs)], refs[len(inputs):len(inputs) + len(outputs)]
+        scratch = iter(refs[len(inputs) + len(outputs):])
+        b, h = pl.program_id(0), pl.program_id(1)
+        args = []
+        for op, ref, w in zip(inputs, in_refs, walked):
+            if not w:
+                args.append(ref)
+                continue
+            index = (b, _div(h, op.heads_per_kv)) if op.layout == "head" else (b,)
+            args.append(_Walked(ref, op.layout, walk_rows, next(scratch) if tpu else None, index))
+        body(*args, *out_refs)
+
+    if backend == "triton":
+        params = plt.CompilerParams(num_warps=4, num_stages=2)
+    elif tpu:
+        params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
+    else:
+        params = None
+    interpret = {"interpret": True, "mosaic_interpret": pltpu.InterpretParams()}.get(backend, False)
+    return pl.pallas_call(kernel, grid=grid, in_specs=[_spec(op, tpu) for op in inputs],
+                          out_specs=[_spec(op, tpu) for op in outputs], out_shape=[op.array for op in outputs],
+                          scratch_shapes=buffers, interpret=interpret, name=name, compiler_params=params)(
+        *(op.array for op in inputs))
 
 
 def default_backend() -> str:
-    """'triton' on GPUs, 'interpret' elsewhere (CPU; the TPU lowering is not written yet)."""
-    return "triton" if jax.default_backend() == "gpu" else "interpret"
+    """'triton' on GPUs, 'mosaic' on TPUs, 'interpret' elsewhere (CPU)."""
+    return {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")
 
 
-def _take_rows(x, index):
-    """`x [B, T, ...]` at rows `index [B, E]`; index T reads a zero row."""
-    return jax.vmap(lambda x, i: _with_dummy_row(x)[i])(x, index)
+def _head_major(x, index):
+    """`x [B, T, H, C]` at rows `index [B, R]` (index T reads a zero row) -> `[B, H, R, C]`."""
+    return jax.vmap(lambda x, i: _with_dummy_row(x)[i])(x, index).transpose(0, 2, 1, 3)
 
 
-def _scatter_rows(x, index, t):
-    """Sum of `x [B, E, ...]` into `[B, t, ...]` by `index [B, E]` (index t is dropped)."""
+def _token_major(x, index, t):
+    """Sum of `x [B, H, R, C]` into `[B, t, H, C]` by row `index [B, R]` (index t is dropped)."""
+    x = x.transpose(0, 2, 1, 3)
     return jax.vmap(lambda x, i: jax.ops.segment_sum(x, i, num_segments=t + 1)[:t])(x, index)
 
 
-def _group_inputs(p: Plan):
-    """The plan arrays set A's kernels read (all rows), with their specs."""
-    e = p.entry_token.shape[1]
-    n_words = p.entry_words.shape[-1]
-    arrays = (p.block_info, p.entry_token, p.entry_group, p.entry_segment, p.entry_words, p.entry_lower)
-    specs = [_spec(p.block_info.shape[1], (4,)), _spec(e), _spec(e), _spec(e),
-             _spec(e, (n_words,)), _spec(e, (n_words,))]
-    return arrays, specs
+def _per_kv_head(x, kv_heads):
+    """`[B, T, H, C]` gradients per query head -> `[B, T, Hk, C]` summed over each kv head's query heads."""
+    b, t, h, c = x.shape
+    return x.reshape(b, t, kv_heads, h // kv_heads, c).sum(axis=3)
 
 
-def _group_forward(q, k, v, p: Plan, settings):
-    b, _, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[-1]
-    e, block = p.entry_token.shape[1], settings.block
-    qa, ka, va = _take_rows(q, p.entry_token), _take_rows(k, p.entry_token), _take_rows(v, p.entry_token)
-    arrays, specs = _group_inputs(p)
-    kernel = functools.partial(_group_kernel, block=block, softcap=settings.softcap)
-    in_specs = [_spec(e // block), *specs, _spec(e, (d,), "q", block=block), _spec(e, (d,), "kv", h // hk),
-                _spec(e, (dv,), "kv", h // hk)]
-    out_specs = [_spec(e, (dv,), "q", block=block), _lse_spec(e, block)]
-    out_shape = [jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), jax.ShapeDtypeStruct((b, h, e), jnp.float32)]
-    return _call(kernel, in_specs, out_specs, out_shape, (b, h, e // block), settings.backend, "focus_group")(
-        p.first_key_block, *arrays, qa, ka, va)
+def _group_ids(p: Plan):
+    """Set A's ids: query side (ids `[B, E, 4]` (token, group, segment, 0), lower `[B, E, W]`) and key side (ids
+    `[B, 4, E]`, words `[B, W, E]`)."""
+    ids = jnp.stack([p.entry_token, p.entry_group, p.entry_segment, jnp.zeros_like(p.entry_token)], axis=-1)
+    return (ids, p.entry_lower), (ids.transpose(0, 2, 1), p.entry_words.transpose(0, 2, 1))
 
 
-def _band_inputs(q, k, v, p: Plan):
-    tp, t = p.token_segment.shape[1], q.shape[1]
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t)) + ((0, 0),) * (x.ndim - 2))
-    return tp, pad, (pad(q), pad(k), pad(v))
+def _band_ids(p: Plan):
+    """Set B's ids: query side (segment `[B, Tp, 1]`, words `[B, Tp, W]`) and key side (`[B, 1, Tp]`,
+    `[B, W, Tp]`)."""
+    segment = p.token_segment[..., None]
+    return (segment, p.token_words), (segment.transpose(0, 2, 1), p.token_words.transpose(0, 2, 1))
 
 
-def _band_forward(q, k, v, p: Plan, settings):
-    b, _, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[-1]
-    tp, _, (qp, kp, vp) = _band_inputs(q, k, v, p)
-    block, n_words = settings.band_block, p.token_words.shape[-1]
-    kernel = functools.partial(_band_kernel, block=block, window=settings.window, sink=settings.sink,
-                               n_tokens=settings.n_tokens, softcap=settings.softcap)
-    in_specs = [_spec(tp), _spec(tp, (n_words,)), _spec(tp, (d,), "q", block=block), _spec(tp, (d,), "kv", h // hk),
-                _spec(tp, (dv,), "kv", h // hk)]
-    out_specs = [_spec(tp, (dv,), "q", block=block), _lse_spec(tp, block)]
-    out_shape = [jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), jax.ShapeDtypeStruct((b, h, tp), jnp.float32)]
-    return _call(kernel, in_specs, out_specs, out_shape, (b, h, tp // block), settings.backend, "focus_band")(
-        p.token_segment, p.token_words, qp, kp, vp)
+def _band_rows(x, tp):
+    """`x [B, T, H, C]` padded to `tp` rows, head-major `[B, H, tp, C]`."""
+    return jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
 
-def _attention_fwd(q, k, v, p: Plan, settings):
-    b, t, h = q.shape[:3]
-    dv = v.shape[-1]
-    e, tp = p.entry_token.shape[1], p.token_segment.shape[1]
-    if settings.groups:
-        out_a, lse_a = _group_forward(q, k, v, p, settings)
-    else:
-        out_a, lse_a = jnp.zeros((b, e, h, dv), v.dtype), jnp.full((b, h, e), -jnp.inf)
-    if settings.band:
-        out_b, lse_b = _band_forward(q, k, v, p, settings)
-    else:
-        out_b, lse_b = jnp.zeros((b, tp, h, dv), v.dtype), jnp.full((b, h, tp), -jnp.inf)
-    out, lse = _merge(settings.n_tokens, p.entry_token, out_a, lse_a, out_b, lse_b)
+def _group_forward(q, k, v, p: Plan, s: Settings):
+    """Set A: out `[B, H, E, Dv]`, lse `[B, H, E, 1]` per entry."""
+    b, _, h, _ = q.shape
+    g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
+    qa, ka, va = (_head_major(x, p.entry_token) for x in (q, k, v))
+    (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
+    inputs = [_Operand(p.first_key_block, "table"), _Operand(p.block_info, "table"),
+              _Operand(q_ids, "column", s.block), _Operand(q_lower, "column", s.block),
+              _Operand(qa, "head", s.block), _Operand(ka, "head", heads_per_kv=g), _Operand(va, "head", heads_per_kv=g),
+              _Operand(k_ids, "row"), _Operand(k_words, "row")]
+    outputs = [_Operand(jax.ShapeDtypeStruct((b, h, e, dv), v.dtype), "head", s.block),
+               _Operand(jax.ShapeDtypeStruct((b, h, e, 1), jnp.float32), "head", s.block)]
+    kernel = functools.partial(_group_kernel, softcap=s.softcap)
+    return _call(kernel, inputs, outputs, (b, h, e // s.block), s.backend, "focus_group", s.block)
+
+
+def _band_kwargs(s: Settings):
+    return dict(block=s.band_block, window=s.window, sink=s.sink, n_tokens=s.n_tokens, softcap=s.softcap)
+
+
+def _band_forward(q, k, v, p: Plan, s: Settings):
+    """Set B: out `[B, H, Tp, Dv]`, lse `[B, H, Tp, 1]` per token."""
+    b, _, h, _ = q.shape
+    g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
+    qp, kp, vp = (_band_rows(x, tp) for x in (q, k, v))
+    (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
+    inputs = [_Operand(q_segment, "column", s.band_block), _Operand(q_words, "column", s.band_block),
+              _Operand(qp, "head", s.band_block), _Operand(kp, "head", heads_per_kv=g),
+              _Operand(vp, "head", heads_per_kv=g), _Operand(k_segment, "row"), _Operand(k_words, "row")]
+    outputs = [_Operand(jax.ShapeDtypeStruct((b, h, tp, dv), v.dtype), "head", s.band_block),
+               _Operand(jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32), "head", s.band_block)]
+    kernel = functools.partial(_band_kernel, **_band_kwargs(s))
+    return _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s.backend, "focus_band", s.band_block)
+
+
+def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
+    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E, 1]`) and its set-B
+    result (`[B, H, Tp, Dv]`, `[B, H, Tp, 1]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
+    def one(entry_token, out_a, lse_a, out_b, lse_b):
+        out_a, lse_a = out_a.transpose(1, 0, 2), lse_a[..., 0].T  # [E, H, Dv], [E, H]
+        out_b, lse_b = out_b.transpose(1, 0, 2)[:t], lse_b[..., 0].T[:t]
+        m = jnp.maximum(jax.ops.segment_max(lse_a, entry_token, num_segments=t + 1)[:t], lse_b)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w_a = jnp.exp(lse_a - jnp.concatenate([m, jnp.zeros_like(m[:1])])[entry_token])  # [E, H]
+        w_b = jnp.exp(lse_b - m)
+        num = jax.ops.segment_sum(w_a[..., None] * out_a.astype(jnp.float32), entry_token, num_segments=t + 1)[:t]
+        num = num + w_b[..., None] * out_b.astype(jnp.float32)
+        den = jax.ops.segment_sum(w_a, entry_token, num_segments=t + 1)[:t] + w_b
+        safe = jnp.where(den > 0, den, 1.0)
+        return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+    return jax.vmap(one)(entry_token, out_a, lse_a, out_b, lse_b)
+
+
+def _attention_fwd(q, k, v, p: Plan, s: Settings):
+    b, _, h = q.shape[:3]
+    dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
+    empty = lambda rows: (jnp.zeros((b, h, rows, dv), v.dtype), jnp.full((b, h, rows, 1), -jnp.inf))
+    out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
+    out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
+    out, lse = _merge(s.n_tokens, p.entry_token, out_a, lse_a, out_b, lse_b)
     out = out.astype(v.dtype)
     return out, (q, k, v, p, out, lse)
 
@@ -346,63 +550,55 @@ def _attention(q, k, v, p: Plan, settings: Settings):
     return _attention_fwd(q, k, v, p, settings)[0]
 
 
-def _group_backward(q, k, v, p: Plan, do, lse, delta, settings):
+def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     """Set A's dq, dk, dv in token space (float32)."""
     b, t, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[-1]
-    e, block = p.entry_token.shape[1], settings.block
-    token = p.entry_token
-    qa, ka, va, doa = (_take_rows(x, token) for x in (q, k, v, do))
-    lse_a = _take_rows(lse, token).transpose(0, 2, 1)  # [B, H, E]
-    delta_a = _take_rows(delta, token).transpose(0, 2, 1)
-    arrays, specs = _group_inputs(p)
-    grid, common = (b, h, e // block), dict(block=block, softcap=settings.softcap)
-    dq = _call(functools.partial(_group_dq_kernel, **common),
-               [_spec(e // block), *specs, _spec(e, (d,), "q", block=block), _spec(e, (d,), "kv", h // hk),
-                _spec(e, (dv,), "kv", h // hk), _spec(e, (dv,), "q", block=block), _lse_spec(e, block),
-                _lse_spec(e, block)],
-               _spec(e, (d,), "q", block=block), jax.ShapeDtypeStruct((b, e, h, d), jnp.float32), grid,
-               settings.backend, "focus_group_dq")(p.first_key_block, *arrays, qa, ka, va, doa, lse_a, delta_a)
-    first = p.first_key_block
-    n_blocks = first.shape[1]
-    last = jax.vmap(lambda f: jnp.searchsorted(f, jnp.arange(n_blocks), side="right") - 1)(first).astype(jnp.int32)
-    dk, dvv = _call(functools.partial(_group_dkv_kernel, **common),
-                    [_spec(n_blocks), *specs, _spec(e, (d,), "q"), _spec(e, (d,), "kv", h // hk, block=block),
-                     _spec(e, (dv,), "kv", h // hk, block=block), _spec(e, (dv,), "q"), _lse_spec(e), _lse_spec(e)],
-                    [_spec(e, (d,), "q", block=block), _spec(e, (dv,), "q", block=block)],
-                    [jax.ShapeDtypeStruct((b, e, h, d), jnp.float32), jax.ShapeDtypeStruct((b, e, h, dv), jnp.float32)],
-                    grid, settings.backend, "focus_group_dkv")(last, *arrays, qa, ka, va, doa, lse_a, delta_a)
-    per_kv = lambda x: x.reshape(b, t, hk, h // hk, x.shape[-1]).sum(axis=3)
-    return (_scatter_rows(dq, token, t), per_kv(_scatter_rows(dk, token, t)), per_kv(_scatter_rows(dvv, token, t)))
+    hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
+    g, token, block = h // hk, p.entry_token, s.block
+    qa, ka, va, doa, lse_a, delta_a = (_head_major(x, token) for x in (q, k, v, do, lse[..., None], delta[..., None]))
+    (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
+    info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
+    gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, e, c), jnp.float32), "head", block)
+    query_blocks = [_Operand(x, "column", block) for x in (q_ids, q_lower)] + [
+        _Operand(x, "head", block) for x in (qa, doa, lse_a, delta_a)]
+    (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
+                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _Operand(ka, "head", heads_per_kv=g),
+                   _Operand(va, "head", heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
+                  [gradient(d)], grid, s.backend, "focus_group_dq", block)
+    walked_queries = [_Operand(x, "head") for x in (qa, doa, lse_a, delta_a)] + [
+        _Operand(x, "column") for x in (q_ids, q_lower)]
+    dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
+                    [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
+                     _Operand(k_words, "row", block), _Operand(ka, "head", block, g), _Operand(va, "head", block, g),
+                     *walked_queries],
+                    [gradient(d), gradient(dv)], grid, s.backend, "focus_group_dkv", block)
+    return (_token_major(dq, token, t), _per_kv_head(_token_major(dk, token, t), hk),
+            _per_kv_head(_token_major(dvv, token, t), hk))
 
 
-def _band_backward(q, k, v, p: Plan, do, lse, delta, settings):
+def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     """Set B's dq, dk, dv (float32)."""
     b, t, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[-1]
-    tp, pad, (qp, kp, vp) = _band_inputs(q, k, v, p)
-    dop = pad(do)
-    lse_b, delta_b = pad(lse).transpose(0, 2, 1), pad(delta).transpose(0, 2, 1)
-    block, n_words = settings.band_block, p.token_words.shape[-1]
-    common = dict(block=block, window=settings.window, sink=settings.sink, n_tokens=settings.n_tokens,
-                  softcap=settings.softcap)
+    hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
+    g = h // hk
+    qp, kp, vp, dop, lse_b, delta_b = (_band_rows(x, tp) for x in (q, k, v, do, lse[..., None], delta[..., None]))
+    (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     grid = (b, h, tp // block)
-    ids = [_spec(tp), _spec(tp, (n_words,))]
-    dq = _call(functools.partial(_band_dq_kernel, **common),
-               [*ids, _spec(tp, (d,), "q", block=block), _spec(tp, (d,), "kv", h // hk), _spec(tp, (dv,), "kv", h // hk),
-                _spec(tp, (dv,), "q", block=block), _lse_spec(tp, block), _lse_spec(tp, block)],
-               _spec(tp, (d,), "q", block=block), jax.ShapeDtypeStruct((b, tp, h, d), jnp.float32), grid,
-               settings.backend, "focus_band_dq")(p.token_segment, p.token_words, qp, kp, vp, dop, lse_b, delta_b)
-    dk, dvv = _call(functools.partial(_band_dkv_kernel, **common),
-                    [*ids, _spec(tp, (d,), "q"), _spec(tp, (d,), "kv", h // hk, block=block),
-                     _spec(tp, (dv,), "kv", h // hk, block=block), _spec(tp, (dv,), "q"), _lse_spec(tp),
-                     _lse_spec(tp)],
-                    [_spec(tp, (d,), "q", block=block), _spec(tp, (dv,), "q", block=block)],
-                    [jax.ShapeDtypeStruct((b, tp, h, d), jnp.float32), jax.ShapeDtypeStruct((b, tp, h, dv), jnp.float32)],
-                    grid, settings.backend, "focus_band_dkv")(p.token_segment, p.token_words, qp, kp, vp, dop,
-                                                                lse_b, delta_b)
-    per_kv = lambda x: x[:, :t].reshape(b, t, hk, h // hk, x.shape[-1]).sum(axis=3)
-    return dq[:, :t], per_kv(dk), per_kv(dvv)
+    gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, tp, c), jnp.float32), "head", block)
+    query_blocks = [_Operand(x, "column", block) for x in (q_segment, q_words)] + [
+        _Operand(x, "head", block) for x in (qp, dop, lse_b, delta_b)]
+    (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
+                  [*query_blocks, _Operand(kp, "head", heads_per_kv=g), _Operand(vp, "head", heads_per_kv=g),
+                   _Operand(k_segment, "row"), _Operand(k_words, "row")],
+                  [gradient(d)], grid, s.backend, "focus_band_dq", block)
+    walked_queries = [_Operand(x, "head") for x in (qp, dop, lse_b, delta_b)] + [
+        _Operand(x, "column") for x in (q_segment, q_words)]
+    dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
+                    [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
+                     _Operand(kp, "head", block, g), _Operand(vp, "head", block, g), *walked_queries],
+                    [gradient(d), gradient(dv)], grid, s.backend, "focus_band_dkv", block)
+    token_major = lambda x: x.transpose(0, 2, 1, 3)[:, :t]
+    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 
 def _attention_bwd(settings, residuals, d_out):
@@ -423,140 +619,25 @@ def _attention_bwd(settings, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
-    """Per token: log-sum-exp merge of its entries' set-A results and its set-B result -> out `[B, T, H, Dv]`
-    (float32) and lse `[B, T, H]`."""
-    def one(entry_token, out_a, lse_a, out_b, lse_b):
-        lse_a = lse_a.T  # [E, H]
-        lse_b = lse_b.T[:t]
-        m = jnp.maximum(jax.ops.segment_max(lse_a, entry_token, num_segments=t + 1)[:t], lse_b)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w_a = jnp.exp(lse_a - jnp.concatenate([m, jnp.zeros_like(m[:1])])[entry_token])  # [E, H]
-        w_b = jnp.exp(lse_b - m)
-        num = jax.ops.segment_sum(w_a[..., None] * out_a.astype(jnp.float32), entry_token, num_segments=t + 1)[:t]
-        num = num + w_b[..., None] * out_b[:t].astype(jnp.float32)
-        den = jax.ops.segment_sum(w_a, entry_token, num_segments=t + 1)[:t] + w_b
-        safe = jnp.where(den > 0, den, 1.0)
-        return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
-    return jax.vmap(one)(entry_token, out_a, lse_a, out_b, lse_b)
-
-
-# ------------------------------------------------------------------------------------------------ backward
-
-
-def _grad_scores(s, lse, do, v, delta, softcap):
-    """Flash-attention backward of one block: p = exp(s - lse) on the allowed pairs; d(raw score) `[bq, bk]`."""
-    allowed = s > NEG_INF / 2
-    p = jnp.where(allowed, jnp.exp(s - lse[:, None]), 0.0)
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])
-    if softcap is not None:
-        ds = ds * jnp.where(allowed, 1.0 - (s / softcap) ** 2, 0.0)
-    return p, ds
-
-
-def _matmul(a, b, contract):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
-
-
-def _group_dq_kernel(first_ref, info_ref, token_ref, group_ref, segment_ref, words_ref, lower_ref, q_ref, k_ref,
-                     v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block, softcap):
-    """Set A: dq of one query entry block of one head (keys as in the forward pass)."""
-    i = pl.program_id(2)
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    ids_refs = (token_ref, group_ref, segment_ref, words_ref, lower_ref)
-
-    def step(key_block, dq):
-        cols = pl.ds(key_block * block, block)
-        k = k_ref[cols, :]
-        s = _group_scores(q, k, ids_refs, info_ref, i, key_block, block, softcap)
-        _, ds = _grad_scores(s, lse, do, v_ref[cols, :], delta, softcap)
-        return dq + _matmul(ds.astype(k.dtype), k, ((1,), (0,)))
-
-    dq_ref[...] = jax.lax.fori_loop(first_ref[i], i + 1, step, jnp.zeros(q.shape, jnp.float32))
-
-
-def _group_dkv_kernel(last_ref, info_ref, token_ref, group_ref, segment_ref, words_ref, lower_ref, q_ref, k_ref,
-                      v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, block, softcap):
-    """Set A: dk, dv of one key entry block from one query head (the query blocks that visit it)."""
-    j = pl.program_id(2)
-    k, v = k_ref[...], v_ref[...]
-    ids_refs = (token_ref, group_ref, segment_ref, words_ref, lower_ref)
-
-    def step(query_block, carry):
-        dk, dv = carry
-        rows = pl.ds(query_block * block, block)
-        q, do = q_ref[rows, :], do_ref[rows, :]
-        s = _group_scores(q, k, ids_refs, info_ref, query_block, j, block, softcap)
-        p, ds = _grad_scores(s, lse_ref[rows], do, v, delta_ref[rows], softcap)
-        return (dk + _matmul(ds.astype(q.dtype), q, ((0,), (0,))),
-                dv + _matmul(p.astype(do.dtype), do, ((0,), (0,))))
-
-    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk_ref[...], dv_ref[...] = jax.lax.fori_loop(j, last_ref[j] + 1, step, zeros)
-
-
-def _band_dq_kernel(segment_ref, words_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block,
-                    window, sink, n_tokens, softcap):
-    """Set B: dq of one query token block of one head."""
-    i = pl.program_id(2)
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-
-    def step(key_block, dq):
-        cols = pl.ds(key_block * block, block)
-        k = k_ref[cols, :]
-        s = _band_scores(q, k, segment_ref, words_ref, i, key_block, block, window, sink, n_tokens, softcap)
-        _, ds = _grad_scores(s, lse, do, v_ref[cols, :], delta, softcap)
-        return dq + _matmul(ds.astype(k.dtype), k, ((1,), (0,)))
-
-    sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    dq = jax.lax.fori_loop(0, sink_end, step, jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = jax.lax.fori_loop(band_start, band_end + 1, step, dq)
-
-
-def band_query_blocks(key_block, n_blocks, *, window: int, sink: int, block: int):
-    """The query blocks whose set-B pass visits `key_block`: `[key_block, last]` (the transpose of
-    `band_key_blocks`; every query block from `key_block` on for a sink block)."""
-    band_last = ((key_block + 1) * block + window - 1) // block
-    is_sink = key_block < -(-sink // block)
-    return key_block, jnp.where(is_sink, n_blocks - 1, jnp.minimum(band_last, n_blocks - 1))
-
-
-def _band_dkv_kernel(segment_ref, words_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                     block, window, sink, n_tokens, softcap):
-    """Set B: dk, dv of one key token block from one query head."""
-    j = pl.program_id(2)
-    k, v = k_ref[...], v_ref[...]
-    n_blocks = segment_ref.shape[0] // block
-
-    def step(query_block, carry):
-        dk, dv = carry
-        rows = pl.ds(query_block * block, block)
-        q, do = q_ref[rows, :], do_ref[rows, :]
-        s = _band_scores(q, k, segment_ref, words_ref, query_block, j, block, window, sink, n_tokens, softcap)
-        p, ds = _grad_scores(s, lse_ref[rows], do, v, delta_ref[rows], softcap)
-        return (dk + _matmul(ds.astype(q.dtype), q, ((0,), (0,))),
-                dv + _matmul(p.astype(do.dtype), do, ((0,), (0,))))
-
-    first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
-    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk_ref[...], dv_ref[...] = jax.lax.fori_loop(first, last + 1, step, zeros)
-
-
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
-                        block_size=128, band_block_size=32, backend=None, _sets=(True, True)):
+                        block_size=128, band_block_size=None, backend=None, _sets=(True, True)):
     """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
     temperature) scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]` in v's dtype.
     Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and the multiplier.
-    `block_size`: set A's tile (entries); `band_block_size`: set B's tile (tokens; small, because the band needs only
-    `window + 1` keys per query and a tile of b queries reads `b + window` keys).
-    `backend`: 'triton' (GPU) or 'interpret' (Pallas interpret mode, any device); default `default_backend()`.
+    `block_size`: set A's tile (entries); `band_block_size`: set B's tile (tokens; default 32 on GPU, small because
+    the band needs only `window + 1` keys per query and a tile of b queries reads `b + window` keys; 128 on TPU,
+    whose tiles are 128 wide). `backend`: one of `BACKENDS`; default `default_backend()`.
     """
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if band_block_size is None:
+        band_block_size = max(128, block_size) if backend in TPU_BACKENDS else min(32, block_size)
+    if backend == "mosaic" and (block_size % 128 or band_block_size % 128):
+        raise ValueError(f"backend='mosaic' (TPU) needs block sizes that are multiples of 128, got "
+                         f"block_size={block_size}, band_block_size={band_block_size}")
     b, t = q.shape[:2]
     multiplier = jnp.asarray(multiplier, jnp.float32)
     if multiplier.ndim:
@@ -569,7 +650,7 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
 
 
 def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, softcap=None, block_size=128,
-                       band_block_size=32, backend=None):
+                       band_block_size=None, backend=None):
     """Causal dense or focal attention (no groups) through the same kernels: `window=None` puts every token in one
     group (set A only: every causal pair, full blocks without the element mask); a `window` w puts no token in any
     group (set B only: the local band `0 <= i - j <= w`). Shapes and arguments as `focus_sparse_pallas`."""

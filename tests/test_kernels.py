@@ -1,5 +1,6 @@
-"""The Pallas kernels (`focal_jax.kernels.focus_sparse`) in interpret mode against the naive reference, their GPU
-lowering without a device, and the block plan's coverage and cost."""
+"""The Pallas kernels (`focal_jax.kernels.focus_sparse`) in interpret mode (the GPU form, and for a subset the TPU
+form with its DMAs) against the naive reference, their GPU and TPU lowering without a device, and the block plan's
+coverage and cost."""
 
 import jax
 import jax.extend
@@ -41,8 +42,13 @@ CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_focus_kernel_matches_reference(name):
+TPU_CASES = ["top-2, segments, GQA, head_dim 64", "more groups than tokens (two bitmask words), top-3",
+             "window 0, sink 3, softcap"]  # the TPU form is slower to interpret: the cases that cover its reads
+
+
+@pytest.mark.parametrize("name,backend", [(name, "interpret") for name in CASES]
+                         + [(name, "mosaic_interpret") for name in TPU_CASES])
+def test_focus_kernel_matches_reference(name, backend):
     t, groups, k, window, sink, segmented, h, hk, d, softcap, block, band_block = CASES[name]
     q, key, v = rand_qkv(len(name), 2, t, h, hk, d)
     membership = random_membership(1, 2, t, groups, k)
@@ -56,10 +62,11 @@ def test_focus_kernel_matches_reference(name):
     def kernel(q, key, v, temperature):
         return ks.focus_sparse_pallas(q, key, v, membership, multiplier=d ** -0.5 / temperature, window=window,
                                       segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block,
-                                      band_block_size=band_block)
+                                      band_block_size=band_block, backend=backend)
 
-    assert_close(kernel(q, key, v, temperature), expected(q, key, v, temperature), atol=1e-5, what=name)
-    assert_grads_close(expected, kernel, (q, key, v, temperature), 1e-5, name)
+    what = f"{name} ({backend})"
+    assert_close(kernel(q, key, v, temperature), expected(q, key, v, temperature), atol=1e-5, what=what)
+    assert_grads_close(expected, kernel, (q, key, v, temperature), 1e-5, what)
 
 
 def test_arbitrary_membership_and_empty_groups():
@@ -89,8 +96,9 @@ def test_bf16_inputs_accumulate_in_float32():
     assert_grads_close(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
 
 
-@pytest.mark.parametrize("window", [None, 0, 7, 100])
-def test_dense_and_focal_through_the_kernel(window):
+@pytest.mark.parametrize("window,backend", [(None, "interpret"), (0, "interpret"), (7, "interpret"),
+                                            (100, "interpret"), (None, "mosaic_interpret"), (7, "mosaic_interpret")])
+def test_dense_and_focal_through_the_kernel(window, backend):
     """No groups: every causal pair (one group) or the local band (no group), against jax.nn.dot_product_attention
     (an outside implementation) and the reference, with segments, GQA and a focal temperature."""
     t = 50
@@ -103,7 +111,8 @@ def test_dense_and_focal_through_the_kernel(window):
                                             local_window_size=None if window is None else (window, 0))
 
     kernel = lambda q, k, v: ks.dot_product_pallas(q, k, v, multiplier=0.25 / 0.4, window=window,
-                                                   segment_ids=segment_ids, block_size=16, band_block_size=8)
+                                                   segment_ids=segment_ids, block_size=16, band_block_size=8,
+                                                   backend=backend)
     expected = reference.attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
     assert_close(kernel(q, k, v), outside(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
     assert_close(kernel(q, k, v), expected, atol=1e-5, what=f"window={window} vs reference")
@@ -144,9 +153,11 @@ def test_model_impl_pallas_equals_xla():
 # ------------------------------------------------------------------------------------------------ lowering
 
 
+@pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic")])
 @pytest.mark.parametrize("dtype,head_dim", [(jnp.bfloat16, 128), (jnp.float32, 64)])
-def test_lowers_for_cuda_without_a_device(dtype, head_dim):
-    """The Triton lowering (forward and backward) runs at trace time, so lowering and shape errors surface here."""
+def test_lowers_without_a_device(platform, backend, dtype, head_dim):
+    """The Triton (GPU) and Mosaic (TPU) lowerings (forward and backward; hard Focus with a sink, dense, local) run
+    at trace time, so lowering, block-shape and memory-space errors surface here."""
     b, t, h, hk = 1, 256, 4, 2
     q = jnp.zeros((b, t, h, head_dim), dtype)
     k = v = jnp.zeros((b, t, hk, head_dim), dtype)
@@ -154,15 +165,26 @@ def test_lowers_for_cuda_without_a_device(dtype, head_dim):
     temperature = jnp.ones((b, t, h))
 
     def loss(q, k, v, temperature):
-        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=1 / temperature, window=32, block_size=64,
-                                     band_block_size=32, backend="triton")
+        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=1 / temperature, window=32, sink=4,
+                                     block_size=128, backend=backend)
         return jnp.sum(out.astype(jnp.float32))
 
-    dense = lambda q, k, v: jnp.sum(ks.dot_product_pallas(q, k, v, multiplier=0.1, backend="triton"))
+    dense = lambda q, k, v: jnp.sum(ks.dot_product_pallas(q, k, v, multiplier=0.1, backend=backend))
+    local = lambda q, k, v: jnp.sum(ks.dot_product_pallas(q, k, v, multiplier=0.1, window=16, backend=backend))
+    custom_call = {"cuda": "triton", "tpu": "tpu_custom_call"}[platform]
     for fn, args in ((jax.grad(loss, argnums=(0, 1, 2, 3)), (q, k, v, temperature)),
-                     (jax.grad(dense, argnums=(0, 1, 2)), (q, k, v))):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text.lower()
+                     (jax.grad(dense, argnums=(0, 1, 2)), (q, k, v)), (jax.grad(local, argnums=(0, 1, 2)), (q, k, v))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert custom_call in text.lower()
+
+
+def test_bad_backend_and_tpu_block_sizes_name_the_value():
+    q, k, v = rand_qkv(13, 1, 16, 2, 2, 8)
+    membership = random_membership(14, 1, 16, 2, 1)
+    with pytest.raises(ValueError, match="backend='cuda' is not one of"):
+        ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4, backend="cuda")
+    with pytest.raises(ValueError, match="multiples of 128, got block_size=64, band_block_size=128"):
+        ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4, block_size=64, backend="mosaic")
 
 
 # ------------------------------------------------------------------------------------------------ the block plan

@@ -195,10 +195,10 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
         O(T * block) memory, differentiable), or `'pallas'` (the same two sets as block-sparse Pallas kernels with
-        the masks computed inside from token ids, forward and backward; Triton on GPU, interpret mode on CPU; see
-        `focal_jax.kernels.focus_sparse`).
+        the masks computed inside from token ids, forward and backward; Triton on GPU, Mosaic on TPU, interpret
+        mode on CPU; see `focal_jax.kernels.focus_sparse`).
       block_size: tile size of `'decomposed'` and of `'pallas'`'s group set (default 128; a power of two for
-        `'pallas'`).
+        `'pallas'`, and a multiple of 128 on TPU).
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -227,8 +227,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
         if block_size & (block_size - 1):
             raise ValueError(f"impl='pallas' needs a power-of-two block_size, got block_size={block_size}")
         return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=window,
-                                   segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block_size,
-                                   band_block_size=min(32, block_size))
+                                   segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block_size)
     if impl == "decomposed":
         return decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
                                     segment_ids=segment_ids, sink=sink, softcap=softcap,
