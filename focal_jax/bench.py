@@ -5,6 +5,13 @@
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
+    python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536]
+
+``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
+block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of 128, set B
+token tiles of 32), next to what one fused pass over the group-sorted order would visit (set A's blocks plus, per
+query block, the blocks of every other group that hold its local keys), and the speedup limits over dense causal
+attention that follow.
 
 ``kernel``: the Pallas kernels on the device (a GPU; on CPU they run in interpret mode, so only tiny sizes make
 sense there): bf16 (float32 on CPU), K = 8 balanced groups, w = 128, top-1; dense causal
@@ -401,8 +408,68 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _fused_pass_extra_blocks(group, window: int, block: int) -> int:
+    """Blocks one fused pass over the (group, position)-sorted order would visit beyond set A's: for each query
+    block, the blocks of every other group holding keys at positions `[first - window, last]` of its queries."""
+    import numpy as np
+
+    t, groups = len(group), int(group.max()) + 1
+    order = np.lexsort((np.arange(t), group))  # token of each sorted entry
+    sorted_group = group[order]
+    starts = np.searchsorted(sorted_group, np.arange(groups))
+    ends = np.searchsorted(sorted_group, np.arange(groups), side="right")
+    extra = 0
+    for first in range(0, t, block):
+        tokens, own = order[first:first + block], sorted_group[first:first + block]
+        low, high = tokens.min() - window, tokens.max()
+        for g in range(groups):
+            if np.all(own == g):
+                continue  # the query block's own group: set A's blocks
+            positions = order[starts[g]:ends[g]]
+            lo = starts[g] + np.searchsorted(positions, low)
+            hi = starts[g] + np.searchsorted(positions, high, side="right")
+            if hi > lo:
+                extra += (hi - 1) // block - lo // block + 1
+    return extra
+
+
+def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``plan`` subcommand: visited block area of the kernels' plan vs the allowed pairs (no timing)."""
+    import numpy as np
+
+    from focal_jax.kernels import focus_sparse as ks
+
+    block, band_block, window, groups = 128, 32, _inputs.WINDOW, _inputs.N_GROUPS
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## block plan (K={groups} balanced random top-1, w={window}, set A blocks {block}, set B tiles "
+          f"{band_block})\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    rows = []
+    for seq_len in args.lengths:
+        _log(f"T={seq_len} ...")
+        membership = _balanced_membership(seq_len, groups, args.seed)
+        allowed, causal = _inputs.count_focus_pairs(membership, window)
+        p = ks.plan(membership[0], jax.numpy.zeros(seq_len, jax.numpy.int32), block, band_block)
+        first = np.asarray(p.first_key_block)
+        a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
+        b_blocks = 0
+        for query_block in range(-(-seq_len // band_block)):
+            sink_end, start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=0,
+                                                                       block=band_block))
+            b_blocks += sink_end + end - start + 1
+        split = a_blocks * block ** 2 + b_blocks * band_block ** 2
+        group = np.argmax(np.asarray(membership[0]), axis=-1)
+        fused = (a_blocks + _fused_pass_extra_blocks(group, window, block)) * block ** 2
+        rows.append([f"{seq_len:,}", f"{allowed:,}", f"{split / allowed:.3f}", _fmt_ratio(causal / allowed),
+                     _fmt_ratio(causal / split), f"{fused / allowed:.3f}", _fmt_ratio(causal / fused)])
+    print(_inputs.markdown_table(
+        ["T", "allowed pairs", "visited / allowed (two passes + merge)", "pair limit (causal / allowed)",
+         "limit of the visited blocks", "visited / allowed (one fused pass)", "limit of one fused pass"], rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``)."""
+    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -431,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--repeats", type=int, default=5)
     kernel.add_argument("--seed", type=int, default=0)
     kernel.set_defaults(run=run_kernel)
+    plan = sub.add_parser("plan", help="visited block area of the kernels' plan vs allowed pairs (no timing)")
+    plan.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    plan.add_argument("--seed", type=int, default=0)
+    plan.set_defaults(run=run_plan)
     return parser
 
 

@@ -20,9 +20,10 @@ Layouts: activations are head-major `[B, H, rows, C]`; the per-token ids come tw
 broadcast of a column against a row.
 
 Backends (`BACKENDS`): 'triton' (GPU: Pallas's Triton lowering; a program reads the blocks it walks straight from
-global memory), 'mosaic' (TPU: each walked block is copied from HBM into a VMEM buffer by DMA; blocks must be
-multiples of 128), and the interpret modes of both, which run anywhere: 'interpret' (the GPU form) and
-'mosaic_interpret' (the TPU form, its DMAs simulated).
+global memory), 'mosaic' (TPU: each walked block is copied from HBM into VMEM by DMA, double-buffered so that
+the next block's copy overlaps this block's compute; blocks must be multiples of 128), and the interpret modes of
+both, which run anywhere: 'interpret' (the GPU form) and 'mosaic_interpret' (the TPU form, its DMAs and semaphores
+simulated).
 """
 
 import functools
@@ -227,7 +228,8 @@ def _grad_scores(s, lse, do, v, delta, softcap):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-# Arguments: the program's own blocks are refs; the operands it walks are `_Walked` (`.at(j)` is block j's ref).
+# Arguments: the program's own blocks are refs; the operands it walks are `_Walked`, and `_walk` hands the step
+# function their block-j refs.
 
 
 def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, *, softcap):
@@ -235,12 +237,12 @@ def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, 
     i = pl.program_id(2)
     q_block = q[...]
 
-    def step(j, carry):
-        s = _group_scores(q_block, k.at(j)[...], (q_ids, q_lower), (k_ids.at(j), k_words.at(j)), info, i, j,
-                          softcap)
-        return _online(carry, s, v.at(j)[...])
+    def step(j, blocks, carry):
+        k_j, v_j, k_ids_j, k_words_j = blocks
+        s = _group_scores(q_block, k_j[...], (q_ids, q_lower), (k_ids_j, k_words_j), info, i, j, softcap)
+        return _online(carry, s, v_j[...])
 
-    _finish(jax.lax.fori_loop(first[i], i + 1, step, _empty_carry(*o.shape)), o, lse)
+    _finish(_walk(first[i], i + 1, step, _empty_carry(*o.shape), (k, v, k_ids, k_words)), o, lse)
 
 
 def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, sink, n_tokens,
@@ -249,14 +251,16 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
     i = pl.program_id(2)
     q_block = q[...]
 
-    def step(j, carry):
-        s = _band_scores(q_block, k.at(j)[...], (q_segment, q_words), (k_segment.at(j), k_words.at(j)), i, j,
-                         block, window, sink, n_tokens, softcap)
-        return _online(carry, s, v.at(j)[...])
+    def step(j, blocks, carry):
+        k_j, v_j, k_segment_j, k_words_j = blocks
+        s = _band_scores(q_block, k_j[...], (q_segment, q_words), (k_segment_j, k_words_j), i, j, block, window,
+                         sink, n_tokens, softcap)
+        return _online(carry, s, v_j[...])
 
+    walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    carry = jax.lax.fori_loop(0, sink_end, step, _empty_carry(*o.shape))
-    _finish(jax.lax.fori_loop(band_start, band_end + 1, step, carry), o, lse)
+    carry = _walk(0, sink_end, step, _empty_carry(*o.shape), walked)
+    _finish(_walk(band_start, band_end + 1, step, carry, walked), o, lse)
 
 
 def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, softcap):
@@ -264,13 +268,14 @@ def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
 
-    def step(j, acc):
-        k_block = k.at(j)[...]
-        s = _group_scores(q_block, k_block, (q_ids, q_lower), (k_ids.at(j), k_words.at(j)), info, i, j, softcap)
-        _, ds = _grad_scores(s, lse_block, do_block, v.at(j)[...], delta_block, softcap)
+    def step(j, blocks, acc):
+        k_j, v_j, k_ids_j, k_words_j = blocks
+        k_block = k_j[...]
+        s = _group_scores(q_block, k_block, (q_ids, q_lower), (k_ids_j, k_words_j), info, i, j, softcap)
+        _, ds = _grad_scores(s, lse_block, do_block, v_j[...], delta_block, softcap)
         return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
 
-    dq[...] = jax.lax.fori_loop(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32))
+    dq[...] = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words))
 
 
 def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids, q_lower, dk, dv, *, softcap):
@@ -278,15 +283,16 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
     j = pl.program_id(2)
     k_block, v_block = k[...], v[...]
 
-    def step(i, carry):
-        q_block, do_block = q.at(i)[...], do.at(i)[...]
-        s = _group_scores(q_block, k_block, (q_ids.at(i), q_lower.at(i)), (k_ids, k_words), info, i, j, softcap)
-        p, ds = _grad_scores(s, lse.at(i)[...], do_block, v_block, delta.at(i)[...], softcap)
+    def step(i, blocks, carry):
+        q_i, do_i, lse_i, delta_i, q_ids_i, q_lower_i = blocks
+        q_block, do_block = q_i[...], do_i[...]
+        s = _group_scores(q_block, k_block, (q_ids_i, q_lower_i), (k_ids, k_words), info, i, j, softcap)
+        p, ds = _grad_scores(s, lse_i[...], do_block, v_block, delta_i[...], softcap)
         return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
                 carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
 
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk[...], dv[...] = jax.lax.fori_loop(j, last[j] + 1, step, zeros)
+    dk[...], dv[...] = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower))
 
 
 def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
@@ -295,16 +301,18 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
 
-    def step(j, acc):
-        k_block = k.at(j)[...]
-        s = _band_scores(q_block, k_block, (q_segment, q_words), (k_segment.at(j), k_words.at(j)), i, j, block,
-                         window, sink, n_tokens, softcap)
-        _, ds = _grad_scores(s, lse_block, do_block, v.at(j)[...], delta_block, softcap)
+    def step(j, blocks, acc):
+        k_j, v_j, k_segment_j, k_words_j = blocks
+        k_block = k_j[...]
+        s = _band_scores(q_block, k_block, (q_segment, q_words), (k_segment_j, k_words_j), i, j, block, window,
+                         sink, n_tokens, softcap)
+        _, ds = _grad_scores(s, lse_block, do_block, v_j[...], delta_block, softcap)
         return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
 
+    walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    acc = jax.lax.fori_loop(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32))
-    dq[...] = jax.lax.fori_loop(band_start, band_end + 1, step, acc)
+    acc = _walk(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32), walked)
+    dq[...] = _walk(band_start, band_end + 1, step, acc, walked)
 
 
 def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
@@ -313,17 +321,18 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
     j = pl.program_id(2)
     k_block, v_block = k[...], v[...]
 
-    def step(i, carry):
-        q_block, do_block = q.at(i)[...], do.at(i)[...]
-        s = _band_scores(q_block, k_block, (q_segment.at(i), q_words.at(i)), (k_segment, k_words), i, j, block,
-                         window, sink, n_tokens, softcap)
-        p, ds = _grad_scores(s, lse.at(i)[...], do_block, v_block, delta.at(i)[...], softcap)
+    def step(i, blocks, carry):
+        q_i, do_i, lse_i, delta_i, q_segment_i, q_words_i = blocks
+        q_block, do_block = q_i[...], do_i[...]
+        s = _band_scores(q_block, k_block, (q_segment_i, q_words_i), (k_segment, k_words), i, j, block, window,
+                         sink, n_tokens, softcap)
+        p, ds = _grad_scores(s, lse_i[...], do_block, v_block, delta_i[...], softcap)
         return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
                 carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
 
     first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk[...], dv[...] = jax.lax.fori_loop(first, last + 1, step, zeros)
+    dk[...], dv[...] = _walk(first, last + 1, step, zeros, (q, do, lse, delta, q_segment, q_words))
 
 
 # ------------------------------------------------------------------------------------------------ calling them
@@ -356,21 +365,24 @@ class _Operand(NamedTuple):
 
 
 class _Walked(NamedTuple):
-    """An operand a kernel walks: `at(j)` is the ref of its j-th block of `rows` rows (row layout: columns)."""
+    """An operand a kernel walks block by block (blocks of `rows` rows; of `rows` columns in the row layout)."""
     ref: Any
     layout: str
     rows: int
-    buffer: Any = None  # TPU: the VMEM buffer a block is copied into
-    index: tuple = ()   # TPU: the program's leading indices into the whole HBM array
+    buffers: Any = None     # TPU: VMEM `[2, ...block]`, the two slots blocks are copied into
+    semaphores: Any = None  # TPU: DMA semaphores `[2]`, one per slot
+    index: tuple = ()       # TPU: the program's leading indices into the whole HBM array
 
-    def at(self, j):
+    def window(self, j):
         start = pl.multiple_of(j * self.rows, self.rows)
-        window = ((slice(None), pl.ds(start, self.rows)) if self.layout == "row"
-                  else (pl.ds(start, self.rows), slice(None)))
-        if self.buffer is None:
-            return _Block(self.ref, window)
-        pltpu.sync_copy(self.ref.at[self.index + window], self.buffer)
-        return self.buffer
+        if self.layout == "row":
+            return slice(None), pl.ds(start, self.rows)
+        return pl.ds(start, self.rows), slice(None)
+
+    def copy(self, j, slot):
+        """TPU: the DMA of block j into buffer `slot`."""
+        return pltpu.make_async_copy(self.ref.at[self.index + self.window(j)], self.buffers.at[slot],
+                                     self.semaphores.at[slot])
 
 
 class _Block:
@@ -384,6 +396,33 @@ class _Block:
         if index is Ellipsis:
             return self.ref[self.window]
         return self.ref[tuple(w if i == slice(None) else i for w, i in zip(self.window, index))]
+
+
+def _walk(start, stop, step, carry, walked):
+    """`carry = step(j, blocks, carry)` for j in `[start, stop)`, `blocks` the block-j refs of the `walked` operands.
+    GPU: views of the whole arrays. TPU: double buffering, block j + 1's copies start before block j is used."""
+    if walked[0].buffers is None:
+        return jax.lax.fori_loop(start, stop, lambda j, c: step(j, [_Block(w.ref, w.window(j)) for w in walked],
+                                                                 c), carry)
+
+    @pl.when(start < stop)
+    def _():
+        for w in walked:
+            w.copy(start, 0).start()
+
+    def body(j, carry):
+        slot = jax.lax.rem(j - start, 2)
+
+        @pl.when(j + 1 < stop)
+        def _():
+            for w in walked:
+                w.copy(j + 1, 1 - slot).start()
+
+        for w in walked:
+            w.copy(j, slot).wait()
+        return step(j, [w.buffers.at[slot] for w in walked], carry)
+
+    return jax.lax.fori_loop(start, stop, body, carry)
 
 
 def _spec(operand: _Operand, tpu: bool):
@@ -408,23 +447,29 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
     a `block` reach it as `_Walked` with blocks of `walk_rows`. Returns the outputs."""
     tpu = backend in TPU_BACKENDS
     walked = [op.block is None and op.layout != "table" for op in inputs]
-    buffers = []
+    scratch = []
     if tpu:
-        buffers = [pltpu.VMEM((op.array.shape[1], walk_rows) if op.layout == "row"
-                              else (walk_rows, op.array.shape[-1]), op.array.dtype)
-                   for op, w in zip(inputs, walked) if w]
+        blocks = [(op.array.shape[1], walk_rows) if op.layout == "row" else (walk_rows, op.array.shape[-1])
+                  for op, w in zip(inputs, walked) if w]
+        scratch = ([pltpu.VMEM((2,) + shape, op.array.dtype)
+                    for shape, op in zip(blocks, [op for op, w in zip(inputs, walked) if w])]
+                   + [pltpu.SemaphoreType.DMA((2,)) for _ in blocks])
 
     def kernel(*refs):
         in_refs, out_refs = refs[:len(inputs)], refs[len(inputs):len(inputs) + len(outputs)]
-        scratch = iter(refs[len(inputs) + len(outputs):])
+        scratch_refs = refs[len(inputs) + len(outputs):]
+        n_walked = len(scratch_refs) // 2
+        buffers, semaphores = iter(scratch_refs[:n_walked]), iter(scratch_refs[n_walked:])
         b, h = pl.program_id(0), pl.program_id(1)
         args = []
         for op, ref, w in zip(inputs, in_refs, walked):
             if not w:
                 args.append(ref)
-                continue
-            index = (b, _div(h, op.heads_per_kv)) if op.layout == "head" else (b,)
-            args.append(_Walked(ref, op.layout, walk_rows, next(scratch) if tpu else None, index))
+            elif not tpu:
+                args.append(_Walked(ref, op.layout, walk_rows))
+            else:
+                index = (b, _div(h, op.heads_per_kv)) if op.layout == "head" else (b,)
+                args.append(_Walked(ref, op.layout, walk_rows, next(buffers), next(semaphores), index))
         body(*args, *out_refs)
 
     if backend == "triton":
@@ -433,10 +478,12 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
         params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
     else:
         params = None
-    interpret = {"interpret": True, "mosaic_interpret": pltpu.InterpretParams()}.get(backend, False)
+    # The TPU simulation runs each DMA as soon as it starts, so a copy into a buffer still being read would show.
+    interpret = {"interpret": True,
+                 "mosaic_interpret": pltpu.InterpretParams(dma_execution_mode="eager")}.get(backend, False)
     return pl.pallas_call(kernel, grid=grid, in_specs=[_spec(op, tpu) for op in inputs],
                           out_specs=[_spec(op, tpu) for op in outputs], out_shape=[op.array for op in outputs],
-                          scratch_shapes=buffers, interpret=interpret, name=name, compiler_params=params)(
+                          scratch_shapes=scratch, interpret=interpret, name=name, compiler_params=params)(
         *(op.array for op in inputs))
 
 

@@ -51,6 +51,32 @@ def test_bench_kernel_prints_every_variant(capsys):
         assert out.count(f"| {name}") == 2, name  # forward and forward + backward
 
 
+def test_bench_plan_prints_both_plans(capsys):
+    assert bench.main(["plan", "--lengths", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1,024" in out and "one fused pass" in out
+
+
+def test_fused_pass_count_covers_every_cross_group_local_pair():
+    """The blocks counted for one fused pass include every block that holds a cross-group local key of the query
+    block (brute force over pairs), so the comparison in `bench plan` does not flatter the two-pass plan."""
+    t, window, block = 300, 10, 16
+    group = np.random.default_rng(0).integers(0, 4, t)
+    order = np.lexsort((np.arange(t), group))
+    entry_of = np.argsort(order)
+    needed = 0
+    for first in range(0, t, block):
+        blocks = set()
+        for i in order[first:first + block]:
+            for j in range(max(0, i - window), i + 1):
+                if group[j] != group[i]:
+                    blocks.add(entry_of[j] // block)
+        needed += len(blocks)
+    counted = bench._fused_pass_extra_blocks(group, window, block)
+    assert counted >= needed
+    assert counted < 2 * needed
+
+
 def test_bench_train_size_prints_every_kind(capsys):
     assert bench.main(["train", "--size", "tiny", "--batch", "2", "--seq-len", "32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
