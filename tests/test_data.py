@@ -469,3 +469,48 @@ def test_pipeline_errors(cache_dir, tmp_path):
     check_raises(lambda: no_eval.eval_batches(0), "n=0")
     check_raises(lambda: build(synthetic_config(cache_dir, tokenizer=str(tmp_path / "x.model"))), "x.model",
                  error=FileNotFoundError)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# frequent_words (and the other tasks' outputs, which training data depends on)
+
+
+def test_existing_synthetic_tasks_are_unchanged():
+    import hashlib
+
+    golden = {"associative_recall": "cb38d898748c6a30444d8504e9cee93e83b72ab47fc1dad2162a1dcf23e5ee95",
+              "needle": "d2f472e4c348f87853e0afd4ec30c87b48f77a3f417dc3df17de9c2925b8fb42",
+              "json_kv": "ce199665d3e74ecc4dd5fcb2c0306ad35820da3fac92d810b9cc2609ac013fec"}
+    for task, digest in golden.items():
+        examples = [(ex.prompt, ex.answer) for ex in make_examples(task, 5, seed=0)]
+        assert hashlib.sha256(repr(examples).encode()).hexdigest() == digest, task
+
+
+@pytest.mark.parametrize("top", [1, 3])
+def test_frequent_words_answer_is_the_naive_count(top):
+    examples = make_examples("frequent_words", 30, seed=2, n_words=40, n_vocab=6, top=top)
+    assert examples == make_examples("frequent_words", 30, seed=2, n_words=40, n_vocab=6, top=top)
+    assert examples != make_examples("frequent_words", 30, seed=3, n_words=40, n_vocab=6, top=top)
+    for ex in examples:
+        text, question = ex.prompt.split("\n")
+        words = text.removeprefix("Words: ").removesuffix(".").split(" ")
+        ranked = collections.Counter(words).most_common() + [("", 0)]  # a word never drawn counts 0
+        assert len(words) == 40 and len(ranked) <= 7 and all(w.isalpha() for w in words)
+        assert all(ranked[i][1] > ranked[i + 1][1] for i in range(top))  # the answer is unique
+        assert ex.answer == " " + ", ".join(word for word, _ in ranked[:top])
+        assert question.endswith(":") and (str(top) in question) == (top > 1)
+    short, long = (make_examples("frequent_words", 10, seed=0, n_words=n) for n in (4, 40))
+    assert min(len(ex.prompt) for ex in long) > 3 * max(len(ex.prompt) for ex in short)
+
+
+def test_frequent_words_scoring_and_errors():
+    from focal_jax.data.synthetic import _WORDS
+
+    assert not [(a, b) for a in _WORDS for b in _WORDS if a != b and b.startswith(a)]  # prefix match is exact
+    examples = make_examples("frequent_words", 4, seed=0, n_words=20)
+    assert score([ex.answer.strip() + ", and more" for ex in examples], examples) == 1.0
+    others = [next(w for w in _WORDS if w != ex.answer.strip()) for ex in examples]
+    assert score(others, examples) == 0.0
+    check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_vocab=3, top=3), "top=3", "n_vocab=3")
+    check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_vocab=33), "n_vocab=33")
+    check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_words=2, top=2), "n_words=2")

@@ -21,7 +21,7 @@ class DataConfig:
         record) | 'synthetic' (prompt + answer of the synthetic task `task`).
       paths: glob patterns of the files of a file source; a list or a comma-separated string is accepted.
       field: the jsonl key / parquet column holding the text.
-      task: the synthetic task: 'associative_recall' | 'needle' | 'json_kv'.
+      task: the synthetic task: 'associative_recall' | 'needle' | 'json_kv' | 'frequent_words'.
       task_kwargs: options of the synthetic task (e.g. n_pairs), stored as sorted (key, value) pairs; a dict is
         accepted.
       n_synthetic: number of synthetic documents.

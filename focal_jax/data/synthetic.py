@@ -1,14 +1,17 @@
 """Synthetic long-context tasks with known answers, for training and for scoring recall.
 
 Every task returns `Example(prompt, answer)`: the prompt ends right before the answer (no trailing space) and the
-answer is a string of digits, so `prompt + answer` is a training document and a model's continuation of `prompt`
-is scored with `score`. Each task has a length knob (`n_pairs` or `n_sentences`) so contexts can grow.
+answer is a string of digits (words, after a space, for `frequent_words`), so `prompt + answer` is a training
+document and a model's continuation of `prompt` is scored with `score`. Each task has a length knob (`n_pairs`,
+`n_sentences` or `n_words`) so contexts can grow.
 
 - `associative_recall` (multi-query associative recall): `n_pairs` key=value pairs, then `n_queries` queries of
   distinct keys; the first `n_queries - 1` are answered in the prompt, the last one is the example's answer.
 - `needle` (needle in a haystack): `n_sentences` filler sentences with `n_keys` needles
   "The magic number for KEY is VALUE." at random places; one key is queried, the other needles are distractors.
 - `json_kv`: a JSON object of `n_pairs` random hex keys to random digit-string values; one key is queried.
+- `frequent_words`: `n_words` words drawn from `n_vocab` words of a fixed list with Zipf weights (1 / rank); the answer
+  is the most frequent word, or the `top` most frequent ones, most frequent first, comma-separated.
 
 >>> ex = make_examples('associative_recall', 1, seed=0, n_pairs=3, n_queries=2)[0]
 >>> ex.prompt.count('='), ex.answer.isdigit()
@@ -24,7 +27,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One task instance: the model reads `prompt` and should continue it with `answer`."""
+    """One task instance: the model reads `prompt` and should continue it with `answer` (digits, or for
+    `frequent_words` a space and comma-separated words)."""
 
     prompt: str
     answer: str
@@ -49,6 +53,12 @@ _FILLER = (
     "Snow covered the mountains in the north.",
     "The baker opened his shop before dawn.",
     "Waves broke gently against the shore.",
+)
+# frequent_words draws from these; none is a prefix of another, so `score`'s prefix match cannot confuse two.
+_WORDS = (
+    "apple", "river", "stone", "cloud", "tiger", "bread", "chair", "green", "light", "music", "ocean", "paper",
+    "queen", "sugar", "table", "water", "horse", "glass", "night", "plant", "house", "money", "smile", "train",
+    "bird", "door", "fish", "king", "lamp", "moon", "rain", "wolf",
 )
 
 
@@ -104,7 +114,38 @@ def json_kv(rng, *, n_pairs: int = 16, key_len: int = 8, value_digits: int = 6) 
     return Example(f'{json.dumps(dict(zip(keys, values)))}\nKey: "{keys[asked]}"\nValue:', values[asked])
 
 
-TASKS = {"associative_recall": associative_recall, "needle": needle, "json_kv": json_kv}
+def frequent_words(rng, *, n_words: int = 64, n_vocab: int = 8, top: int = 1) -> Example:
+    """'Words: moon rain moon wolf ...\nThe most frequent word is:' -> ' moon'; with `top` = k > 1 the prompt asks
+    for 'the k most frequent words, most frequent first' -> ' moon, rain, wolf'.
+
+    The `n_vocab` words are picked from a fixed list of 32; the text draws `n_words` of them with Zipf weights
+    (1 / rank), again until the `top + 1` highest counts all differ, so the answer is unique.
+    """
+    if not 1 <= top < n_vocab <= len(_WORDS):
+        raise ValueError(f"frequent_words needs 1 <= top < n_vocab <= {len(_WORDS)}, got top={top}, "
+                         f"n_vocab={n_vocab}")
+    if n_words < top * (top + 1) // 2:
+        raise ValueError(f"frequent_words needs n_words >= top * (top + 1) / 2 = {top * (top + 1) // 2} for "
+                         f"{top + 1} distinct counts, got n_words={n_words}")
+    vocab = [_WORDS[i] for i in rng.choice(len(_WORDS), n_vocab, replace=False)]
+    weights = 1.0 / np.arange(1, n_vocab + 1)
+    for _ in range(1000):
+        drawn = rng.choice(n_vocab, n_words, p=weights / weights.sum())
+        counts = np.bincount(drawn, minlength=n_vocab)
+        ranked = np.argsort(-counts, kind="stable")
+        if np.all(np.diff(counts[ranked[:top + 1]]) < 0):
+            break
+    else:
+        raise ValueError(f"frequent_words drew no text with {top + 1} distinct top counts in 1000 tries "
+                         f"(n_words={n_words}, n_vocab={n_vocab}, top={top}); use more n_words")
+    question = ("The most frequent word is:" if top == 1
+                else f"The {top} most frequent words, most frequent first, are:")
+    text = " ".join(vocab[i] for i in drawn)
+    return Example(f"Words: {text}.\n{question}", " " + ", ".join(vocab[i] for i in ranked[:top]))
+
+
+TASKS = {"associative_recall": associative_recall, "needle": needle, "json_kv": json_kv,
+         "frequent_words": frequent_words}
 
 
 def task_options(task: str) -> dict[str, int]:
@@ -134,9 +175,11 @@ def make_examples(task: str, n: int, seed: int, **kwargs) -> list[Example]:
 
 
 def score(predictions: list[str], examples: list[Example]) -> float:
-    """Exact-match accuracy in [0, 1]: a prediction counts if, whitespace-stripped, it starts with the answer.
+    """Exact-match accuracy in [0, 1]: a prediction counts if, whitespace-stripped, it starts with the answer
+    (whitespace-stripped too: the leading space of a `frequent_words` answer is not required).
 
-    `predictions[i]` is the model's continuation of `examples[i].prompt`.
+    `predictions[i]` is the model's continuation of `examples[i].prompt`; text after the answer is ignored (the
+    model need not stop), so a `frequent_words` prediction 'moon, rain' is right when the answer is ' moon'.
 
     >>> score(['1234 and more', ' 99'], [Example('a=', '1234'), Example('b=', '12')])
     0.5

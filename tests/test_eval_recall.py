@@ -1,0 +1,270 @@
+"""focal_jax.eval.decode and focal_jax.eval.recall on tiny models and a tokenizer trained in-process.
+
+`greedy_decode` equals a naive loop (argmax of the full forward, one token at a time, one prompt at a time) for a
+dense model (KV cache), a soft non-causal Focus model (full forward with padding) and a hard causal Focus model
+(KV cache), with prompts of different lengths in one batch, eos and `stop`; length-matched prompts fit their target
+as stated; the suite's accuracy is `score` of the decoded text (an oracle decoder gives 1.0, a wrong one 0.0);
+`plot_recall` writes a PNG; `with_topk` equals a model built with `focus_topk`; the CLI writes its files; bad input
+raises naming the value.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focal_jax.data import make_examples, score, train_tokenizer
+from focal_jax.eval import recall
+from focal_jax.eval.decode import can_cache, greedy_decode
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
+from focal_jax.nn.llama import Llama, LlamaConfig
+
+VOCAB = 61
+FOCUS = dict(kind="focus", focus_window=2, focus_groups=4, focus_dim=8, focus_iters=2)
+MODELS = {
+    "dense": ({}, True),
+    "soft_focus_noncausal": (FOCUS, False),
+    "hard_focus_causal": ({**FOCUS, "focus_topk": 1, "focus_causal": True}, True),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fast_compiles():
+    """Tiny models, many shapes: XLA's optimisation passes cost more than they save here (compile time halves)."""
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)
+
+
+def _llama(attn, vocab=VOCAB, seed=0):
+    config = LlamaConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, intermediate=32,
+                         rope_theta=500.0, attn=attn)
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+_forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def _naive_greedy(model, prompt, max_new_tokens):
+    """Argmax of the full forward of the prompt alone, one token at a time (no cache, no padding)."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(int(jnp.argmax(_forward(model, jnp.asarray([tokens], jnp.int32))[0, -1])))
+    return tokens[len(prompt):]
+
+
+def _cut_after(tokens, eos):
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_decode_equals_naive_loop(name):
+    attn, cached = MODELS[name]
+    model = _llama(attn)
+    assert can_cache(model) == cached  # each path of greedy_decode is exercised
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (4, 2, 3)]  # two batches of 2, the last one padded
+    expected = [_naive_greedy(model, p, 4) for p in prompts]
+    assert greedy_decode(model, prompts, max_new_tokens=4, batch_size=2) == expected
+    eos = expected[1][1]  # a token the second prompt generates second: it stops there, the others where they meet it
+    got = greedy_decode(model, prompts, max_new_tokens=4, eos_id=eos, batch_size=2)
+    assert got == [_cut_after(e, eos) for e in expected] and len(got[1]) <= 2
+    if name == "dense":
+        seen = []
+
+        def stop(new):
+            seen.append(list(new))
+            return len(new) == 3
+
+        assert greedy_decode(model, prompts, max_new_tokens=4, stop=stop, batch_size=2) == [e[:3] for e in expected]
+        assert sorted(seen) == sorted(e[:k] for e in expected for k in (1, 2, 3))  # every prefix once
+
+
+def test_greedy_decode_errors():
+    model = _llama({})
+    gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=8, d_model=16, n_layers=1, n_heads=2), rngs=nnx.Rngs(0))
+    cases = [
+        (lambda: greedy_decode(model, [[1, 2], []], max_new_tokens=2), "prompts[1] is empty"),
+        (lambda: greedy_decode(model, [[1, VOCAB]], max_new_tokens=2), f"token id {VOCAB}"),
+        (lambda: greedy_decode(model, [[1, 2]], max_new_tokens=0), "max_new_tokens=0"),
+        (lambda: greedy_decode(model, [[1, 2]], max_new_tokens=2, batch_size=0), "batch_size=0"),
+        (lambda: greedy_decode(model, [[1, 2]], max_new_tokens=2, eos_id=VOCAB), f"eos_id={VOCAB}"),
+        (lambda: greedy_decode(model, [[1, 2]], max_new_tokens=2, stop="</s>"), "stop='</s>'"),
+        (lambda: greedy_decode(model, "hello", max_new_tokens=2), "list of token lists"),
+        (lambda: greedy_decode(gpt2, [[1] * 6], max_new_tokens=3), "n_positions=8"),
+        (lambda: greedy_decode(object(), [[1]], max_new_tokens=2), "Llama or GPT2"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            fn()
+    assert greedy_decode(model, [], max_new_tokens=2) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The recall suite
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    documents = [ex.prompt + ex.answer for spec in recall.TASKS.values()
+                 for ex in make_examples(spec.task, 40, seed=5, **dict(spec.options), **{spec.knob: 6})]
+    return train_tokenizer(documents, 400, tmp_path_factory.mktemp("tok") / "recall.model")
+
+
+@pytest.mark.parametrize("task", list(recall.TASKS))
+def test_length_matched_prompts_fit_the_target_within_one_knob_unit(task, tokenizer):
+    spec = recall.TASKS[task]
+    for length in (128, 300):
+        samples = recall.length_matched(task, tokenizer, length, 4, seed=3)
+        assert len(samples) == 4
+        for i, sample in enumerate(samples):
+            seed = recall._example_seed(3, task, length, i)
+
+            def example(knob):
+                return make_examples(spec.task, 1, seed, **dict(spec.options), **{spec.knob: knob})[0]
+
+            assert sample.example == example(sample.knob)
+            assert sample.tokens == [tokenizer.bos_id] + tokenizer.encode(sample.example.prompt)
+            assert len(sample.tokens) <= length
+            assert len(tokenizer.encode(example(sample.knob + 1).prompt)) + 1 > length
+        assert np.mean([len(s.tokens) for s in samples]) > 0.8 * length
+    with pytest.raises(ValueError, match=r"length=5 is too short for task"):
+        recall.length_matched(task, tokenizer, 5, 1, seed=0)
+
+
+def _oracle(tokenizer, answers, wrong=()):
+    """A stand-in for greedy_decode: each prompt's answer (then eos), except for the prompts whose index is in
+    `wrong` (in call order), which get a wrong one."""
+    calls = []
+
+    def decode(model, prompts, *, max_new_tokens, eos_id=None, stop=None, batch_size=8):
+        calls.append(dict(prompts=prompts, max_new_tokens=max_new_tokens, eos_id=eos_id))
+        out = []
+        for i, prompt in enumerate(prompts):
+            answer = answers[tokenizer.decode(prompt)]
+            text = "x" + answer if i in wrong else answer
+            out.append(tokenizer.encode(text)[:max_new_tokens - 1] + [eos_id])
+        return out
+
+    return decode, calls
+
+
+def test_recall_suite_accuracy_is_the_score_of_the_decoded_answers(tokenizer, monkeypatch):
+    tasks, lengths = list(recall.TASKS), [128, 256]
+    answers = {s.example.prompt: s.example.answer for task in tasks for length in lengths
+               for s in recall.length_matched(task, tokenizer, length, 4, seed=7)}
+    model = _llama({}, vocab=tokenizer.vocab_size)
+    decode, calls = _oracle(tokenizer, answers)
+    monkeypatch.setattr(recall, "greedy_decode", decode)
+    rows = recall.recall_suite(model, tokenizer, tasks=tasks, lengths=lengths, n_examples=4, seed=7)
+    assert [(r["task"], r["length"]) for r in rows] == [(t, n) for t in tasks for n in lengths]
+    assert all(r["accuracy"] == 1.0 and r["n"] == 4 for r in rows)
+    for row, call in zip(rows, calls):
+        assert row["prompt_tokens"] == np.mean([len(p) for p in call["prompts"]])
+        assert row["length"] - 40 < row["prompt_tokens"] <= row["length"]
+        assert call["eos_id"] == tokenizer.eos_id
+    decode, _ = _oracle(tokenizer, answers, wrong=range(4))
+    monkeypatch.setattr(recall, "greedy_decode", decode)
+    rows = recall.recall_suite(model, tokenizer, tasks=tasks, lengths=lengths, n_examples=4, seed=7)
+    assert all(r["accuracy"] == 0.0 for r in rows)
+    decode, _ = _oracle(tokenizer, answers, wrong=(1, 3))
+    monkeypatch.setattr(recall, "greedy_decode", decode)
+    rows = recall.recall_suite(model, tokenizer, tasks=["json_kv"], lengths=[128], n_examples=4, seed=7)
+    assert rows[0]["accuracy"] == 0.5
+
+
+def test_recall_suite_with_a_model_scores_what_it_decodes(tokenizer, monkeypatch):
+    model = _llama({}, vocab=tokenizer.vocab_size)
+    outputs = []
+
+    def spy(*args, **kwargs):
+        outputs.append(greedy_decode(*args, **kwargs))
+        return outputs[-1]
+
+    monkeypatch.setattr(recall, "greedy_decode", spy)
+    rows = recall.recall_suite(model, tokenizer, tasks=["needle"], lengths=[80], n_examples=3, seed=2)
+    examples = [s.example for s in recall.length_matched("needle", tokenizer, 80, 3, seed=2)]
+    assert rows[0]["accuracy"] == score([tokenizer.decode(o) for o in outputs[0]], examples)
+    answer_tokens = max(len(tokenizer.encode(ex.answer)) for ex in examples) + 1
+    assert all(1 <= len(o) <= answer_tokens for o in outputs[0])
+
+
+def test_plot_recall_and_table(tmp_path):
+    rows = [{"task": t, "length": n, "prompt_tokens": n - 3.0, "accuracy": a, "n": 5}
+            for t, accs in [("needle", (1.0, 0.6)), ("json_kv", (0.8, 0.2))] for n, a in zip((128, 512), accs)]
+    png = recall.plot_recall(rows, str(tmp_path / "sub" / "recall.png"))
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    table = recall.format_table(rows)
+    assert table.splitlines()[0] == "| task | 128 | 512 |"
+    assert "| json_kv | 0.800 | 0.200 |" in table.splitlines()
+    with pytest.raises(ValueError, match="at least one row"):
+        recall.plot_recall([], str(tmp_path / "empty.png"))
+
+
+def test_recall_errors(tokenizer):
+    model = _llama({}, vocab=tokenizer.vocab_size)
+    gpt2 = GPT2(GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=64, d_model=16, n_layers=1, n_heads=2),
+                rngs=nnx.Rngs(0))
+    cases = [
+        (dict(tasks=["needle", "sorting"]), "unknown recall task 'sorting'"),
+        (dict(tasks="needle"), "tasks='needle'"),
+        (dict(lengths=[128, 0]), "length=0"),
+        (dict(lengths=[]), "lengths=[]"),
+        (dict(n_examples=0), "n_examples=0"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            recall.recall_suite(model, tokenizer, **{"tasks": ["needle"], "lengths": [64], **kwargs})
+    logged = []
+    rows = recall.recall_suite(model, tokenizer, tasks=["needle_multikey"], lengths=[20], log=logged.append)
+    assert rows == [{"task": "needle_multikey", "length": 20, "prompt_tokens": None, "accuracy": None, "n": 0,
+                     "skipped": rows[0]["skipped"]}]
+    assert "length=20 is too short" in rows[0]["skipped"] and "skipped" in logged[0]
+    assert recall.format_table(rows).splitlines()[-1] == "| needle_multikey | - |"
+    with pytest.raises(ValueError, match=re.escape("length=64 leaves no room")):
+        recall.recall_suite(gpt2, tokenizer, tasks=["needle"], lengths=[32, 64])
+    with pytest.raises(ValueError, match=re.escape("topk=1 needs a Focus model")):
+        recall.with_topk(model, 1)
+
+
+def test_with_topk_equals_a_model_built_with_focus_topk():
+    soft = _llama(FOCUS)
+    hard = _llama({**FOCUS, "focus_topk": 2}, seed=1)
+    nnx.update(hard, nnx.state(soft))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 12)), jnp.int32)
+    soft_logits = _forward(soft, tokens)
+    recall.with_topk(soft, 2)
+    assert soft.config.attention.focus_topk == 2 and soft.layers[0].self_attn.config.focus_topk == 2
+    np.testing.assert_allclose(_forward(soft, tokens), _forward(hard, tokens), atol=1e-6, rtol=0)
+    assert not np.allclose(_forward(soft, tokens), soft_logits, atol=1e-3)  # the hard mask changed something
+    with pytest.raises(ValueError, match="topk=5"):
+        recall.with_topk(_llama(FOCUS), 5)
+
+
+def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, capsys):
+    from focal_jax.train import checkpoint, trainer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
+    tasks, lengths = ["needle", "frequent_words"], [96, 160]
+    answers = {s.example.prompt: s.example.answer for task in tasks for length in lengths
+               for s in recall.length_matched(task, tokenizer, length, 2, seed=0)}
+    monkeypatch.setattr(trainer, "load_model", lambda path: _llama({}, vocab=tokenizer.vocab_size))
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path: (7, {}))
+    monkeypatch.setattr(recall, "greedy_decode", _oracle(tokenizer, answers)[0])
+    recall.main(["--workdir", str(workdir), "--tasks", ",".join(tasks), "--lengths", "96,160", "--n", "2"])
+    record = json.loads((workdir / "recall.json").read_text())
+    assert record["step"] == 7 and [r["accuracy"] for r in record["rows"]] == [1.0] * 4
+    assert (workdir / "recall.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "recall: needle at 96 tokens" in out and "| frequent_words | 1.000 | 1.000 |" in out
+    with pytest.raises(SystemExit):
+        recall.main(["--workdir", str(workdir), "--tasks", "needle,sorting"])
+    assert "unknown recall task 'sorting'" in capsys.readouterr().err
