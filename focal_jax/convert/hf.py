@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from focal_jax.convert.gpt2 import build_gpt2
 from focal_jax.convert.safetensors_io import read_safetensors
 from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.nn.variables import LoRA
 
 
 class _Tensors:
@@ -202,10 +203,14 @@ def to_hf(model, directory):
     loads. The architecture is llama, mistral (when a sliding window is set), qwen2, qwen3 or olmo2, whichever has
     the model's features.
 
-    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers).
+    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers) and for a
+    model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels first).
     """
     if not isinstance(model, Llama):
         raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama models, got {type(model).__name__}")
+    if jax.tree.leaves(nnx.state(model, LoRA)):
+        raise ValueError("the model holds LoRA parameters, which to_hf would drop: merge_lora(model) first "
+                         "(focal_jax.nn.lora.merge_lora)")
     config = model.config
     if config.attention.kind != "dense":
         raise ValueError(f"to_hf needs attention kind 'dense' (transformers has no {config.attention.kind!r} "

@@ -35,10 +35,12 @@ from flax import nnx
 from focal_jax.nn.attention import Attention, AttentionConfig
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.llama import Llama
-from focal_jax.nn.variables import Centroid, Temperature
+from focal_jax.nn.lora import LoRAConfig, add_lora
+from focal_jax.nn.variables import Centroid, LoRA, Temperature
 
-NEW_TYPES = (Centroid, Temperature)
-TRAINABLE = {"centroids": Centroid, "centroids+temperature": (Centroid, Temperature), "all": nnx.Param}
+NEW_TYPES = (Centroid, Temperature, LoRA)
+TRAINABLE = {"centroids": Centroid, "centroids+temperature": (Centroid, Temperature), "lora": LoRA,
+             "all": nnx.Param}
 
 # A minimal valid AttentionConfig whose focus / focal fields are replaced to validate the retrofit configs.
 _PROBE = dict(d_model=1, n_heads=1, n_kv_heads=1, head_dim=2, rope_theta=None)
@@ -178,7 +180,8 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
 
     Args:
       model: a loaded model, e.g. from `focal_jax.convert.hf.from_hf`.
-      config: `FocusConfig` or `FocalConfig`.
+      config: `FocusConfig` or `FocalConfig`; a `focal_jax.nn.lora.LoRAConfig` is handed to `add_lora` (the LoRA
+        baseline: `LoRA` parameters on the attention projections, the attention kind unchanged).
       rngs: `nnx.Rngs` or an integer seed for the new parameters (default seed 0). One key per layer is drawn
         from `rngs.params()`.
       impl: optionally also switch the attention implementation (e.g. 'decomposed' for hard top-k Focus).
@@ -195,12 +198,15 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
         with a sliding window (Mistral's `window`) or with different `groups` / `dim` than the Focus it already
         has, or any invalid resulting `AttentionConfig` field (named).
     """
-    if not isinstance(config, (FocusConfig, FocalConfig)):
-        raise ValueError(f"config must be a FocusConfig or FocalConfig, got {type(config).__name__}")
+    if not isinstance(config, (FocusConfig, FocalConfig, LoRAConfig)):
+        raise ValueError(f"config must be a FocusConfig or FocalConfig (or a LoRAConfig), got "
+                         f"{type(config).__name__}")
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
     if rngs is None or isinstance(rngs, int):
         rngs = nnx.Rngs(params=0 if rngs is None else rngs)
+    if isinstance(config, LoRAConfig):
+        return add_lora(model, config, rngs=rngs)
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no Attention modules to retrofit")
@@ -252,7 +258,8 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
 
 def trainable_filter(kind: str = "centroids"):
     """The nnx filter of the parameters to train: 'centroids' (`Centroid`: a Focus retrofit),
-    'centroids+temperature' (`Centroid` or `Temperature`), 'all' (`nnx.Param`: full fine-tuning)."""
+    'centroids+temperature' (`Centroid` or `Temperature`), 'lora' (`LoRA`: the LoRA baseline), 'all' (`nnx.Param`:
+    full fine-tuning)."""
     if kind not in TRAINABLE:
         raise ValueError(f"kind={kind!r} is not one of {tuple(TRAINABLE)}")
     return TRAINABLE[kind]

@@ -2,7 +2,7 @@
 frozen dataclasses the code uses (so that an unknown or misspelt key fails at once, with its name).
 
     seed, total_steps, batch_size (global sequences per step), log_every, eval_every, eval_batches, ckpt_every,
-    keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, retrofit {focus, focal},
+    keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, retrofit {focus, focal, lora},
     model {family, size, <LlamaConfig / GPT2Config fields>}, data {DataConfig fields}, optim {OptimConfig fields}
 """
 
@@ -16,6 +16,7 @@ import ml_collections
 from focal_jax.data.config import DataConfig
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
+from focal_jax.nn.lora import LoRAConfig
 from focal_jax.nn.retrofit import FocalConfig, FocusConfig
 from focal_jax.train.optimizer import OptimConfig
 
@@ -38,7 +39,9 @@ def default_config() -> ml_collections.ConfigDict:
     config.compute_dtype = "bfloat16"  # activations and matmuls; parameters and optimizer state in param_dtype
     config.param_dtype = "float32"
     config.init_from = ml_collections.FieldReference(None, field_type=str)  # a focal_jax workdir or HF directory
-    config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None})
+    # Each None or a dict of FocusConfig / FocalConfig / LoRAConfig fields, e.g. lora = {"rank": 4, "alpha": 8.0,
+    # "targets": "qkvo"}; applied in the order focal, focus, lora.
+    config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None, "lora": None})
     config.model = ml_collections.ConfigDict({"family": "llama", "size": "tiny"})
     config.data = _section(DataConfig())
     config.optim = _section(OptimConfig())
@@ -97,7 +100,7 @@ class RunConfig:
     init_from: str | None
     family: str
     model: LlamaConfig | GPT2Config | None  # None for family 'hf' (the architecture comes from init_from)
-    retrofit: tuple  # FocalConfig / FocusConfig, applied in this order
+    retrofit: tuple  # FocalConfig / FocusConfig / LoRAConfig, applied in this order
     data: DataConfig
     optim: OptimConfig
     raw: ml_collections.ConfigDict  # the config as given, stored in checkpoints
@@ -142,12 +145,14 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     mesh = _as_dict(merged["mesh"])
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     retrofit_section = _as_dict(merged["retrofit"])
-    _check_keys("retrofit.", retrofit_section, ("focus", "focal"))
+    _check_keys("retrofit.", retrofit_section, ("focus", "focal", "lora"))
     retrofit = []
     if retrofit_section.get("focal"):
         retrofit.append(_dataclass(FocalConfig, "retrofit.focal.", _as_dict(retrofit_section["focal"])))
     if retrofit_section.get("focus"):
         retrofit.append(_dataclass(FocusConfig, "retrofit.focus.", _as_dict(retrofit_section["focus"])))
+    if retrofit_section.get("lora"):
+        retrofit.append(_dataclass(LoRAConfig, "retrofit.lora.", _as_dict(retrofit_section["lora"])))
     family, model = model_config(_as_dict(merged["model"]))
     init_from = merged["init_from"]
     if family == "hf" and not init_from:

@@ -2,8 +2,9 @@
 
 AdamW (b1 0.9, b2 0.95, weight decay 0.05, none on norms and biases), global-norm clipping at 1.0, linear warmup then
 cosine decay to 10% of the peak (FOCAL_SPEC.md section 3.1). Trainable parameters are chosen by parameter type
-(`Centroid` for a Focus retrofit, every `nnx.Param` for full training) and optionally by a regex on the parameter
-path; frozen parameters are not part of the optimizer's pytree, so they carry no optimizer state.
+(`Centroid` for a Focus retrofit, `LoRA` for the LoRA baseline, every `nnx.Param` for full training) and optionally by
+a regex on the parameter path; frozen parameters are not part of the optimizer's pytree, so they carry no optimizer
+state.
 """
 
 import dataclasses
@@ -14,10 +15,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from focal_jax.nn.variables import Centroid, Temperature
+from focal_jax.nn.variables import Centroid, LoRA, Temperature
 
 TRAINABLE_TYPES = {"all": nnx.Param, "centroids": Centroid, "temperature": Temperature,
-                   "centroids+temperature": (Centroid, Temperature)}
+                   "centroids+temperature": (Centroid, Temperature), "lora": LoRA}
 
 
 @dataclasses.dataclass(frozen=True)

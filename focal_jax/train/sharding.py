@@ -29,6 +29,8 @@ LOGICAL_AXES = (
     (r"c_fc/bias$", ("mlp",)),
     (r"(down_proj|c_proj)/kernel$", ("mlp", "embed")),
     (r"lm_head/kernel$", ("embed", "vocab")),
+    (r"(q_proj|k_proj|v_proj)/lora_b$", (None, "heads")),
+    (r"o_proj/lora_a$", ("heads", None)),
 )
 RULES = {"embed": "fsdp", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 

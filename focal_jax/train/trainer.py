@@ -45,8 +45,8 @@ def build_model(run: RunConfig, *, seed: int):
 
 
 def new_param_paths(model) -> set[str]:
-    """Paths of the parameters a retrofit or a new attention kind adds (`Centroid`, `Temperature`): the only ones
-    that may be missing from a pretrained checkpoint."""
+    """Paths of the parameters a retrofit or a new attention kind adds (`Centroid`, `Temperature`, `LoRA`): the only
+    ones that may be missing from a pretrained checkpoint."""
     return set(param_paths(nnx.state(model, NEW_TYPES)))
 
 
@@ -92,7 +92,8 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True):
 
 def init_model(run: RunConfig):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
-    pretrained `init_from` workdir's parameters, then the retrofits."""
+    pretrained `init_from` workdir's parameters, then the retrofits (Focal, Focus, then LoRA: `retrofit` hands a
+    `LoRAConfig` to `focal_jax.nn.lora.add_lora`)."""
     model = build_model(run, seed=run.seed)
     if run.init_from and run.family != "hf":
         if checkpoint.is_hf_directory(run.init_from):
