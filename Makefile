@@ -19,7 +19,7 @@ attention-demo: $(VENV)/.installed
 	$(PY) -m focal_jax.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests --doctest-modules focal_jax/attention focal_jax/nn focal_jax/convert focal_jax/data focal_jax/train configs
+	$(PY) -m pytest -q tests --doctest-modules focal_jax/attention focal_jax/nn focal_jax/convert focal_jax/data focal_jax/train focal_jax/eval configs
 
 bench: $(VENV)/.installed
 	$(PY) -m focal_jax.bench attention

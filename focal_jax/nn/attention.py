@@ -1,9 +1,11 @@
 """The `Attention` module: MHA / GQA projections, optional QK-norm and qkv bias, RoPE, and a pluggable kind
 (`dense`, `focal`, `focal_learned`, `focus`, `focal+focus`) and implementation (`xla`, `cudnn`, `decomposed`,
 `pallas`) taken from an `AttentionConfig`. All the math lives in `focal_jax.attention`; this module holds
-parameters and picks the function.
+parameters and picks the function. `record_attention()` lets diagnostics see each layer's inputs and routing.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -23,6 +25,42 @@ IMPLS = ("xla", "cudnn", "decomposed", "pallas")
 QK_NORMS = (None, "head", "full")
 GATES = ("paper", "log")
 FOCUS_KINDS = ("focus", "focal+focus")
+
+# The list each Attention call appends its record to while `record_attention()` is active (None otherwise).
+_RECORDS = contextvars.ContextVar("focal_jax_attention_records", default=None)
+
+
+@contextlib.contextmanager
+def record_attention():
+    """Records what every `Attention` layer computes, for diagnostics (`focal_jax.eval.diagnostics`).
+
+    Inside `with record_attention() as records:`, each call of an `Attention` module without a KV cache appends
+    one dict to `records`, in call order (layer order for a forward pass):
+      config: the layer's `AttentionConfig`;
+      attend: the layer's attention function `(x, q, k, v, segment_ids) -> [B, T, H, Dv]`, the path the forward
+        used (with one-hot values `v [B, T, Hk, T]` it returns the attention probabilities `[B, T, H, T]`);
+      x `[B, T, d_model]` (the layer input), q `[B, T, H, D]`, k, v `[B, T, Hk, D]` (after QK-norm and RoPE),
+      segment_ids `[B, T]` or None;
+      g `[B, T, K]` (the Sinkhorn assignment), for the Focus kinds only.
+    The values belong to the current trace: under `jax.jit`, use them inside the jitted function; call the model
+    without rematerialisation (`remat=False`), whose blocks run in an inner trace. Outside the context nothing is
+    recorded and the computation is unchanged.
+    """
+    records = []
+    token = _RECORDS.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDS.reset(token)
+
+
+def _new_record(layer, **values):
+    """The dict this call of `layer` records into (appended to the active records), or None when not recording."""
+    records = _RECORDS.get()
+    if records is None:
+        return None
+    records.append({"config": layer.config, "attend": layer._attend, **values})
+    return records[-1]
 
 
 def _choice(name, value, choices):
@@ -262,7 +300,8 @@ class Attention(nnx.Module):
                 raise ValueError("cache_index (the number of cached tokens) is required with cache")
             out, cache = self._attend_cached(x, q, k, v, cache, cache_index)
             return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim)), cache
-        out = self._attend(x, q, k, v, segment_ids)
+        record = _new_record(self, x=x, q=q, k=k, v=v, segment_ids=segment_ids)
+        out = self._attend(x, q, k, v, segment_ids, record)
         return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim))
 
     def _attend_cached(self, x, q, k, v, cache, index):
@@ -308,7 +347,7 @@ class Attention(nnx.Module):
         multiplier = _validate.logit_multiplier(q, scale, temperature)
         return attend(attention_logits(q, k_all, multiplier, c.softcap), v_all, mask), new
 
-    def _attend(self, x, q, k, v, segment_ids):
+    def _attend(self, x, q, k, v, segment_ids, record=None):
         c = self.config
         if c.kind == "dense" or c.kind == "focal":
             temperature = 1.0 if c.kind == "dense" else c.focal_t
@@ -332,6 +371,8 @@ class Attention(nnx.Module):
         temperature = c.focal_t if c.kind == "focal+focus" else 1.0
         scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
         g = fa.sinkhorn(scores, n_iters=c.focus_iters, segment_ids=segment_ids, causal=c.focus_causal)
+        if record is not None:
+            record["g"] = g
         if c.focus_topk is None:
             return fa.focus_attention(q, k, v, g, window=c.focus_window, gate=c.focus_gate, lam=c.focus_lam,
                                       temperature=temperature, segment_ids=segment_ids, softcap=c.softcap)

@@ -1,0 +1,218 @@
+"""`focal_jax.eval.perplexity`: loss and perplexity against a naive per-document computation, hard top-k against
+dense attention, pairs retained against the naive dense mask of `focal_jax.attention.reference`, bad arguments, and
+the command line against the trainer's own held-out loss."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focal_jax.attention import reference
+from focal_jax.eval.diagnostics import attention_view, forward
+from focal_jax.eval.perplexity import evaluate_model, format_table, main, pair_counts, topk_table
+from focal_jax.nn.attention import record_attention
+from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.train import train
+from focal_jax.train.config import default_config
+from focal_jax.train.metrics import read_metrics
+
+VOCAB, DOC_LEN, K, WINDOW = 32, 10, 4, 3
+
+
+def topk_numpy(g, k):
+    """bool [B, T, K]: the k largest entries of each row (numpy argsort; random g has no ties)."""
+    top = np.argsort(-np.asarray(g), axis=-1, kind="stable")[..., :k]
+    membership = np.zeros(np.shape(g), bool)
+    np.put_along_axis(membership, top, True, axis=-1)
+    return membership
+
+
+def causal_pairs(segment_ids, valid):
+    """bool [B, T, T]: j <= i, same segment, both real (numpy)."""
+    t = segment_ids.shape[1]
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    return (j <= i)[None] & (segment_ids[:, :, None] == segment_ids[:, None, :]) & valid[:, :, None] & valid[:, None]
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A 2-layer Focus LLaMA (soft gate, GQA, RoPE) with random parameters, K=4 groups, window 3."""
+    config = LlamaConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate=64,
+                         attn={"kind": "focus", "focus_groups": K, "focus_dim": 8, "focus_window": WINDOW,
+                               "focus_iters": 3})
+    return jit_init(lambda: Llama(config, rngs=nnx.Rngs(0)))
+
+
+def jit_init(make):
+    """`make()` with its parameters initialised by one compiled function (much faster than eagerly on CPU)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(make())[1])())
+
+
+def packed(docs, masked=()):
+    """The trainer's batch of 3 documents [3, DOC_LEN] packed into 2 rows of 2 * DOC_LEN: docs 0 and 1 in row 0,
+    doc 2 then padding in row 1. `masked`: (doc, position) pairs whose target is left out of the loss."""
+    t = 2 * DOC_LEN
+    batch = {key: np.zeros((2, t), np.int32) for key in ("inputs", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = np.zeros((2, t), np.float32)
+    for doc, (row, start) in enumerate([(0, 0), (0, DOC_LEN), (1, 0)]):
+        cols = slice(start, start + DOC_LEN)
+        batch["inputs"][row, cols] = docs[doc]
+        batch["targets"][row, start:start + DOC_LEN - 1] = docs[doc][1:]
+        batch["segment_ids"][row, cols] = 1 + start // DOC_LEN
+        batch["positions"][row, cols] = np.arange(DOC_LEN)
+        batch["loss_mask"][row, start:start + DOC_LEN - 1] = 1.0
+        for d, p in masked:
+            if d == doc:
+                batch["loss_mask"][row, start + p] = 0.0
+    return batch
+
+
+def test_loss_and_perplexity_equal_a_naive_per_document_computation(model):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, VOCAB, (3, DOC_LEN)).astype(np.int32) for _ in range(2)]
+    masked = [(), [(0, 2), (2, 0), (2, 5), (1, 8)]]  # the second batch also leaves some targets out
+    graphdef, state = nnx.split(model)
+    alone = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))  # each document as its own row
+
+    total, count = 0.0, 0
+    for doc_set, drop in zip(docs, masked):
+        logits = np.asarray(alone(state, jnp.asarray(doc_set)), np.float64)  # [3, DOC_LEN, V]
+        log_probs = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                           keepdims=True)) - logits.max(-1, keepdims=True)
+        for d in range(3):
+            for p in range(DOC_LEN - 1):
+                if (d, p) not in drop:
+                    total -= log_probs[d, p, doc_set[d, p + 1]]
+                    count += 1
+    result = evaluate_model(model, [packed(d, m) for d, m in zip(docs, masked)])
+    assert result["tokens"] == count == 2 * 27 - 4
+    np.testing.assert_allclose(result["loss"], total / count, rtol=1e-5)
+    np.testing.assert_allclose(result["perplexity"], np.exp(total / count), rtol=1e-5)
+    assert "pairs_retained" not in result and 0.25 <= result["dominance"] <= 1.0  # soft gate: no hard mask
+
+
+def test_topk_table_hard_k_equals_K_is_dense_and_pairs_retained_match_the_dense_mask(model):
+    rng = np.random.default_rng(1)
+    batch = packed(rng.integers(1, VOCAB, (3, DOC_LEN)).astype(np.int32))
+    rows = topk_table(model, [batch], topk=[1, K])
+    assert [(r["form"], r["k"]) for r in rows] == [("soft", None), ("hard", 1), ("hard", K)]
+    soft, hard1, hard_all = rows
+
+    # Every group shared: the hard mask is the causal mask, so the loss is dense attention's with the same weights.
+    dense = evaluate_model(attention_view(model, kind="dense"), [batch])
+    np.testing.assert_allclose(hard_all["loss"], dense["loss"], rtol=1e-5)
+    assert hard_all["pairs_retained"] == hard_all["distant_retained"] == 1.0
+    assert soft["pairs_retained"] is None and hard1["loss"] != pytest.approx(dense["loss"], rel=1e-4)
+
+    # k = 1: count each layer's retained pairs with the naive dense mask, from the routing of the hard forward.
+    graphdef, state = nnx.split(attention_view(model, focus_topk=1))
+
+    @jax.jit
+    def routing(state, batch):
+        with record_attention() as records:
+            forward(nnx.merge(graphdef, state), batch)
+        return [r["g"] for r in records]
+
+    segment_ids = batch["segment_ids"]
+    valid = segment_ids != 0
+    causal = causal_pairs(segment_ids, valid)
+    distant = causal & (np.arange(2 * DOC_LEN)[:, None] - np.arange(2 * DOC_LEN)[None, :] > WINDOW)[None]
+    retained, distant_retained, dominance = [], [], []
+    for g in routing(state, batch):
+        mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, 1), window=WINDOW, segment_ids=segment_ids))
+        retained.append((mask & causal).sum() / causal.sum())
+        distant_retained.append((mask & distant).sum() / distant.sum())
+        sizes = np.bincount(np.argmax(np.asarray(g), -1)[valid], minlength=K)
+        dominance.append(sizes.max() / sizes.sum())
+    np.testing.assert_allclose(hard1["pairs_retained"], np.mean(retained), rtol=1e-12)
+    np.testing.assert_allclose(hard1["distant_retained"], np.mean(distant_retained), rtol=1e-12)
+    np.testing.assert_allclose(hard1["dominance"], np.mean(dominance), rtol=1e-12)
+    assert hard1["pairs_retained"] < 1.0
+
+    table = format_table(rows).splitlines()
+    assert len(table) == 5 and table[3].startswith("| hard | 1 |") and "100.0%" in table[4]
+
+
+def segments_and_padding(b, t, rng):
+    """Segment ids with a non-contiguous id in row 0 (1 1 2 2 1 1 ...), packed segments elsewhere, and padding
+    (id 0) at the end of the last row."""
+    seg = np.ones((b, t), np.int32)
+    seg[0] = np.where((np.arange(t) // 3) % 2 == 0, 1, 2)
+    for row in range(1, b):
+        for cut in np.sort(rng.choice(np.arange(1, t), size=2, replace=False)):
+            seg[row, cut:] += 1
+    seg[-1, t - 4:] = 0
+    return seg
+
+
+@pytest.mark.parametrize("k, method", [(1, "patterns"), (2, "patterns"), (3, "patterns"), (2, "blocks")])
+def test_pair_counts_equal_counts_of_the_naive_dense_mask(k, method):
+    rng = np.random.default_rng(k)
+    b, t, window = 3, 17, 2
+    g = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, t, K)) * 2.0, jnp.float32), axis=-1)
+    segment_ids = segments_and_padding(b, t, rng)
+    valid = segment_ids != 0
+    counts = jax.jit(pair_counts, static_argnames=("k", "window", "method"))(
+        g, k=k, window=window, segment_ids=segment_ids, valid=valid, method=method)
+
+    causal = causal_pairs(segment_ids, valid)
+    mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, k), window=window, segment_ids=segment_ids)) & causal
+    distant = causal & (np.arange(t)[:, None] - np.arange(t)[None, :] > window)[None]
+    expected = {"causal": causal.sum(-1), "retained": mask.sum(-1), "distant": distant.sum(-1),
+                "distant_retained": (mask & distant).sum(-1)}
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(counts[name]), value, err_msg=name)
+    if 2 * k <= K:  # a non-trivial case: some distant pairs are dropped, some kept
+        assert 0 < expected["distant_retained"].sum() < expected["distant"].sum()
+    else:  # any two k-subsets of K < 2k groups intersect
+        np.testing.assert_array_equal(expected["retained"], expected["causal"])
+
+
+def test_bad_arguments_name_the_value(model):
+    batch = packed(np.ones((3, DOC_LEN), np.int32))
+    with pytest.raises(ValueError, match=r"K=4.*got k=5"):
+        topk_table(model, [batch], topk=[1, 5])
+    with pytest.raises(ValueError, match=r"topk='all' needs a Focus model.*'dense'"):
+        topk_table(attention_view(model, kind="dense"), [batch], topk="all")
+    with pytest.raises(ValueError, match=r"topk='one'"):
+        topk_table(model, [batch], topk="one")
+    with pytest.raises(ValueError, match=r"k must be an integer with 1 <= k <= K=4, got k=0"):
+        pair_counts(jnp.ones((1, 4, K)), 0, window=1)
+    with pytest.raises(ValueError, match=r"method=.fast."):
+        pair_counts(jnp.ones((1, 4, K)), 1, window=1, method="fast")
+    with pytest.raises(ValueError, match=r"lacks key\(s\) \['targets'\]"):
+        evaluate_model(model, [{"inputs": batch["inputs"], "loss_mask": batch["loss_mask"]}])
+
+
+def tiny_focus_run(tmp_path) -> str:
+    """A 1-step training run of a 1-layer Focus LLaMA on synthetic documents that logs its held-out loss (the
+    smallest config that compiles quickly); returns the workdir."""
+    config = default_config()
+    config.update(total_steps=1, batch_size=8, log_every=1, eval_every=1, eval_batches=1, ckpt_every=1,
+                  compute_dtype="float32")
+    config.model = {"family": "llama", "vocab_size": 320, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                    "intermediate": 64, "attn": {"kind": "focus", "focus_groups": 3, "focus_window": 8,
+                                                 "focus_iters": 3}}
+    config.data.update(source="synthetic", n_synthetic=100, eval_fraction=0.2, vocab_size=320, seq_len=32,
+                       cache_dir=str(tmp_path / "tokenizers"))
+    workdir = str(tmp_path / "run")
+    train(config, workdir)
+    return workdir
+
+
+def test_command_line_on_a_training_workdir_matches_the_trainers_eval_loss(tmp_path):
+    workdir = tiny_focus_run(tmp_path)
+    trainer_loss = read_metrics(workdir, kind="eval")[-1]["loss"]  # the trainer's evaluate on the same batch
+
+    out = str(tmp_path / "ppl.json")
+    rows = main(["--workdir", workdir, "--batches", "1", "--topk", "1", "--out", out])
+    assert [(r["form"], r["k"]) for r in rows] == [("soft", None), ("hard", 1)]
+    np.testing.assert_allclose(rows[0]["loss"], trainer_loss, rtol=1e-5)
+    assert 0 < rows[1]["pairs_retained"] < 1
+    with open(out) as f:
+        saved = json.load(f)
+    assert saved["rows"][1]["loss"] == rows[1]["loss"] and saved["settings"]["seq_len"] == 32
