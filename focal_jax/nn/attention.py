@@ -21,6 +21,8 @@ from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
 from focal_jax.nn.variables import Centroid, Temperature
 
 KINDS = ("dense", "focal", "focal_learned", "focus", "focal+focus")
+# Attention functions registered by name with `register_attention` (kinds beyond KINDS, for prototyping).
+CUSTOM_KINDS: dict = {}
 IMPLS = ("xla", "cudnn", "decomposed", "pallas")
 QK_NORMS = (None, "head", "full")
 GATES = ("paper", "log")
@@ -63,6 +65,26 @@ def _new_record(layer, **values):
     return records[-1]
 
 
+def register_attention(name: str, fn):
+    """Make `fn` an attention kind: `AttentionConfig(kind=name)` (and `model.attn.kind=name` in a training config)
+    then calls it in every layer, in place of the built-in kinds. For prototyping a variant in-process (a
+    notebook, a script that then calls `focal_jax.train.train`); register it again in any process that rebuilds
+    the model.
+
+    fn: `fn(q, k, v, *, segment_ids) -> out`, q `[B, T, H, D]` (after QK-norm and RoPE), k, v `[B, T, Hk, D]`,
+      segment_ids int `[B, T]` or None -> `[B, T, H, D]`; causal, like every kind. The layer adds no parameters.
+    Returns `fn`, so it can decorate. Re-registering a name replaces its function; built-in names are refused.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in KINDS:
+        raise ValueError(f"{name!r} is a built-in attention kind; choose another name (built-in: {KINDS})")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    CUSTOM_KINDS[name] = fn
+    return fn
+
+
 def _choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {choices}")
@@ -84,7 +106,8 @@ class AttentionConfig:
 
     kind: 'dense' | 'focal' (constant temperature focal_t) | 'focal_learned' (Temperature params, tau in
       [tau_min, tau_max], causal prefix mean) | 'focus' (Centroid params; soft gate, or hard top-k when
-      focus_topk is set) | 'focal+focus' (focus with the focal_t temperature applied first).
+      focus_topk is set) | 'focal+focus' (focus with the focal_t temperature applied first) | a name registered
+      with `register_attention` (a function of q, k, v; impl 'xla').
     impl: 'xla' (the pure functions; the dense masked reference for hard Focus) | 'cudnn' (dense / focal only,
       GPU only, bf16 / fp16 inputs) | 'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (the
       block-sparse Pallas kernels of `focal_jax.kernels.focus_sparse`: dense / focal / focal_learned, and hard
@@ -138,7 +161,12 @@ class AttentionConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         _choice("qk_norm", self.qk_norm, QK_NORMS)
-        _choice("kind", self.kind, KINDS)
+        if self.kind not in KINDS and self.kind not in CUSTOM_KINDS:
+            raise ValueError(f"kind={self.kind!r} is not one of {KINDS} nor registered with register_attention "
+                             f"(registered: {tuple(CUSTOM_KINDS)})")
+        if self.kind in CUSTOM_KINDS and self.impl != "xla":
+            raise ValueError(f"kind={self.kind!r} is a registered function: it takes impl='xla', got "
+                             f"impl={self.impl!r}")
         _choice("impl", self.impl, IMPLS)
         _choice("focus_gate", self.focus_gate, GATES)
         for name in ("norm_eps", "focal_t", "focus_tau", "focus_lam"):
@@ -187,6 +215,8 @@ def check_decodable(config: AttentionConfig):
     Decodable: 'dense', 'focal', 'focal_learned' (its causal prefix mean is a running sum), and hard Focus
     ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`).
     """
+    if config.kind in CUSTOM_KINDS:
+        raise ValueError(f"kind={config.kind!r} (registered with register_attention) has no KV-cache form")
     if config.kind not in FOCUS_KINDS:
         return
     if not config.focus_causal:
@@ -349,6 +379,8 @@ class Attention(nnx.Module):
 
     def _attend(self, x, q, k, v, segment_ids, record=None):
         c = self.config
+        if c.kind in CUSTOM_KINDS:
+            return CUSTOM_KINDS[c.kind](q, k, v, segment_ids=segment_ids)
         if c.kind == "dense" or c.kind == "focal":
             temperature = 1.0 if c.kind == "dense" else c.focal_t
             if c.impl == "cudnn":
