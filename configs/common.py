@@ -1,8 +1,11 @@
-"""Shared pieces of experiment configs: the argument string, the Focal paper's recipe, the runlocal shrink.
+"""Shared pieces of experiment configs: the argument string, the Focal paper's recipe, the Focus paper's settings,
+data files, runs to start from, the runlocal shrink.
 
 An experiment file defines `get_config(arg)`; `arg` is the text after the colon in
 `--config experiments/X.py:ARG`, e.g. `runlocal,size=400M,variant=focal`.
 """
+
+import os
 
 import ml_collections
 
@@ -17,6 +20,93 @@ FOCAL_VARIANTS = {
     "focal": {"kind": "focal", "focal_t": 0.4},
     "learned": {"kind": "focal_learned", "tau_min": 5.0, "tau_max": 10.0},
 }
+
+# The Focal paper's batches in tokens (FOCAL_SPEC.md sections 3.1 and 3.3): "0.26M" = 2^18 = 128 x 2048 and
+# "2.1M" = 2^21 = 1024 x 2048.
+FOCAL_BATCH_TOKENS = 2**18
+FOCAL_LARGE_BATCH_TOKENS = 2**21
+
+# The Focus paper's routing defaults (FOCUS_SPEC.md App. B and section 2.5): d_g 16, window 128, Sinkhorn tau 0.1
+# and 10 iterations, the literal Eq. 2 gate with lambda 10 (the paper gives no lambda; OQ-1), non-causal Sinkhorn.
+FOCUS_ROUTING = {"dim": 16, "window": 128, "tau": 0.1, "iters": 10, "gate": "paper", "lam": 10.0, "causal": False}
+
+# Mistral-7B's architecture (v0.1 config, without its 4096-token sliding window): the Focus paper's from-scratch
+# model (FOCUS_SPEC.md section 6.3).
+MISTRAL_7B = {"vocab_size": 32000, "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
+              "intermediate": 14336, "rope_theta": 10000.0, "norm_eps": 1e-5}
+
+# Data file types by name ending (`data=` arguments).
+DATA_SOURCES = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet", ".array_record": "array_record"}
+
+
+def check_choice(name: str, value, choices):
+    """Raise ValueError naming the config argument unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"config argument {name}={value!r} is not one of {tuple(choices)}")
+
+
+def check_positive(name: str, value):
+    """Raise ValueError naming the config argument unless `value` is a number > 0."""
+    if not value > 0:
+        raise ValueError(f"config argument {name}={value!r} must be > 0")
+
+
+def batch_size(batch_tokens: int, seq_len: int) -> int:
+    """Sequences per step for a batch of `batch_tokens` tokens, e.g. `batch_size(2**18, 4096) == 64`."""
+    if batch_tokens % seq_len:
+        raise ValueError(f"a batch of {batch_tokens} tokens is not a whole number of {seq_len}-token sequences")
+    return batch_tokens // seq_len
+
+
+def set_data(config: ml_collections.ConfigDict, pattern: str) -> ml_collections.ConfigDict:
+    """Read the training documents from the files matching `pattern` (a glob; the source type from its ending:
+    .txt one document per file, .jsonl / .parquet the 'text' field or column, .array_record); '' keeps the
+    builtin corpus."""
+    if pattern:
+        ending = next((e for e in DATA_SOURCES if pattern.endswith(e)), None)
+        if ending is None:
+            raise ValueError(f"config argument data={pattern!r} must end in one of {tuple(DATA_SOURCES)}")
+        config.data.update(source=DATA_SOURCES[ending], paths=(pattern,))
+    return config
+
+
+def focal_pretraining(size: str, attn: dict, *, seq_len: int = 2048, batch_tokens: int = FOCAL_BATCH_TOKENS,
+                      steps: int = 100_000, lr: float | None = None) -> ml_collections.ConfigDict:
+    """The Focal paper's pretraining run (FOCAL_SPEC.md section 3.1): the model of `size` (Table 3) with attention
+    settings `attn`, `batch_tokens` per step in `seq_len`-token sequences, `steps` steps at the size's peak LR
+    (Table 4) unless `lr` is given, the recipe of `base_config`, a 32000-piece tokenizer (the paper's LLaMA
+    tokenizer has 32000; we train a BPE of that size on the corpus unless `--config.data.tokenizer` is set)."""
+    check_choice("size", size, FOCAL_LR)
+    config = base_config()
+    config.model = {"family": "llama", "size": size, "attn": dict(attn)}
+    config.data.update(source="builtin", vocab_size=32000, seq_len=seq_len)
+    config.batch_size = batch_size(batch_tokens, seq_len)
+    config.total_steps = steps
+    config.optim.lr = FOCAL_LR[size] if lr is None else lr
+    config.log_every = 100
+    config.eval_every = 5000
+    config.eval_batches = 20
+    config.ckpt_every = 5000
+    return config
+
+
+def run_tokenizer(workdir: str) -> str:
+    """The tokenizer a focal_jax run was trained with (WORKDIR/tokenizer.model): a run that starts from it must
+    tokenize as it did, whatever its own data."""
+    path = os.path.join(os.path.expanduser(workdir), "tokenizer.model")
+    if not os.path.isfile(path):
+        raise ValueError(f"init_from={workdir!r} holds no tokenizer.model (a focal_jax run directory holds the "
+                         f"tokenizer it was trained with)")
+    return path
+
+
+def base_run(workdir: str) -> dict:
+    """The stored config (a dict) of a focal_jax run directory, e.g. the base model of a retrofit."""
+    from focal_jax.train.checkpoint import read_meta  # imported here: reading configs needs no checkpoint code
+
+    if not os.path.isdir(os.path.expanduser(workdir)):
+        raise ValueError(f"init_from={workdir!r} is not a directory (a focal_jax workdir)")
+    return read_meta(os.path.expanduser(workdir))[1]["config"]
 
 
 def _convert(name: str, text: str, default):
@@ -63,17 +153,22 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
-def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20) -> ml_collections.ConfigDict:
-    """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings) or a
-    tiny GPT-2, short sequences, small batches, float32, frequent logs and checkpoints."""
-    model = config.model.to_dict()
-    if model.get("family", "llama") == "llama":
-        attn = model.get("attn", {})
-        config.model = ml_collections.ConfigDict({"family": "llama", "size": "tiny",
-                                                  "vocab_size": 512, "attn": attn})
-    elif model["family"] == "gpt2":
-        model.update(vocab_size=512, n_positions=128, d_model=64, n_layers=2, n_heads=4)
-        config.model = ml_collections.ConfigDict(model)
+def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict | None = None
+             ) -> ml_collections.ConfigDict:
+    """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings and the
+    RoPE theta) or a tiny GPT-2, or `model` if given (the model section of a run that starts from another run: that
+    run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus retrofit's window
+    shrinks to 16 so that the 64-token sequences reach past it."""
+    if model is None:
+        model = config.model.to_dict()
+        if model.get("family", "llama") == "llama":
+            model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": model.get("attn", {}),
+                     **({"rope_theta": model["rope_theta"]} if "rope_theta" in model else {})}
+        elif model["family"] == "gpt2":
+            model.update(vocab_size=512, n_positions=128, d_model=64, n_layers=2, n_heads=4)
+    config.model = ml_collections.ConfigDict(model)
+    if config.retrofit.get("focus"):
+        config.retrofit.focus.window = min(config.retrofit.focus.get("window", 128), 16)
     config.data.update(vocab_size=512, seq_len=64)
     config.batch_size = 4
     config.total_steps = steps

@@ -1,16 +1,76 @@
-"""Focus retrofit, centroids only (FOCUS_SPEC.md section 6.1, Table 2): freeze a pretrained model, put Focus
-attention (K groups, d_g = 16, window w = 128, tau 0.1, 10 Sinkhorn iterations, the paper's soft gate) into every
-layer and train only the `Centroid` parameters (W_g and C per layer): LR 1e-3, 4000 steps of 1024 tokens, batch 8
-(FOCUS_SPEC OQ-7: the paper states neither LR nor batch). Routing is the paper's (non-causal) Sinkhorn.
+"""Focus retrofit, centroids only (FOCUS_SPEC.md section 6.1: Tables 1, 2, 3 and 4, the d_g sweep, the centroid
+column of Table 9; Table 7 and section 4.2 evaluate its runs): freeze a pretrained model, put Focus attention (K
+groups, d_g = 16, window w = 128, tau 0.1, 10 Sinkhorn iterations, the paper's soft gate) into every layer and train
+only the `Centroid` parameters (W_g and C per layer): LR 1e-3, 4000 steps of 1024 tokens, batch 8. Routing is the
+paper's (non-causal) Sinkhorn unless `causal`.
 
   python -m focal_jax.train --config experiments/focus_retrofit.py:init_from=/tmp/quickstart \\
       --workdir /tmp/focus_retrofit
-  python -m focal_jax.train --config experiments/focus_retrofit.py:hf=/models/gpt2,groups=8 \\
-      --workdir /tmp/focus_retrofit_gpt2
 
-Arguments: init_from (a focal_jax workdir: its model), hf (a Hugging Face directory, e.g. GPT-2 124M), groups (K,
-4 or 8 in the paper), runlocal. One of init_from / hf is required. The checkpoints hold the centroids only and
-record the base model.
+GPT-2 124M on PG-19 (Tables 1 and 3: K = 4; K = 8 is the default of the ablations and of the two-phase study):
+
+  DATA=/data/pg19/train/*.txt
+  for groups in 4 8; do
+    python -m focal_jax.train --config "experiments/focus_retrofit.py:hf=/models/gpt2,groups=$groups,data=$DATA" \\
+        --workdir /runs/focus_retrofit/gpt2-K$groups
+  done
+
+Table 2 (K = 4: Mistral's 11.6 equals Table 7's K = 4) and Table 4 (Mistral-7B-Instruct, K = 2, 2000 steps):
+
+  DATA=/data/pg19/train/*.txt
+  for model in gpt2-large Mistral-7B-v0.3 Qwen2.5-7B OLMo-2-1124-7B Llama-2-13b-hf Llama-2-70b-hf; do
+    python -m focal_jax.train --config "experiments/focus_retrofit.py:hf=/models/$model,data=$DATA" \\
+        --workdir /runs/focus_retrofit/$model-K4
+  done
+  python -m focal_jax.train \\
+      --config "experiments/focus_retrofit.py:hf=/models/Mistral-7B-Instruct-v0.2,groups=2,steps=2000,data=$DATA" \\
+      --workdir /runs/focus_retrofit/Mistral-7B-Instruct-K2
+
+The d_g sweep (K = 4: the reported parameter counts fit K <= 4, section 2.5), Table 9's centroid column (defaults
+K = 8, w = 128, tau 0.1, 10 iterations; one setting varied at a time), App. B's window study (K = 2) and the gate
+forms (OQ-1):
+
+  DATA=/data/pg19/train/*.txt
+  retrofit() {  # retrofit ARGS NAME
+    python -m focal_jax.train --config "experiments/focus_retrofit.py:hf=/models/gpt2,data=$DATA,$1" \\
+        --workdir /runs/focus_retrofit/gpt2-$2
+  }
+  for dim in 16 32 128 768; do retrofit groups=4,dim=$dim K4-dg$dim; done
+  for groups in 4 8 16 32; do retrofit groups=$groups K$groups; done
+  for window in 64 128 256 512; do retrofit groups=8,window=$window K8-w$window; done
+  for tau in 0.05 0.1 0.2 0.5; do retrofit groups=8,tau=$tau K8-tau$tau; done
+  for iters in 3 5 10 20; do retrofit groups=8,iters=$iters K8-iters$iters; done
+  for window in 16 128 512; do retrofit groups=2,window=$window K2-w$window; done
+  retrofit groups=4,gate=log K4-log
+
+The default cells (K4-dg16, K8-w128, K8-tau0.1, K8-iters10) repeat the runs gpt2-K4 and gpt2-K8.
+
+Evaluation: soft-gated and hard top-k perplexity with pairs retained and dominance for every k (the top-k sweep of
+Table 7; Table 9's dominance), at longer sequences (section 4.2: Mistral, centroids trained at 1024, evaluated up to
+8192), and the zero-shot benchmarks (Tables 1 to 4; FOCUS_SPEC.md OQ-15: add long-prompt tasks such as gsm8k_cot):
+
+  python -m focal_jax.eval.perplexity --workdir /runs/focus_retrofit/gpt2-K4 --topk all
+  for n in 1024 2048 4096 8192; do
+    python -m focal_jax.eval.perplexity --workdir /runs/focus_retrofit/Mistral-7B-v0.3-K4 --seq-len $n --topk all
+  done
+  python -m focal_jax.eval.harness --workdir /runs/focus_retrofit/gpt2-K4 --num_fewshot 0 \\
+      --tasks hellaswag,arc_easy,piqa,lambada_openai
+  python -m focal_jax.eval.harness --workdir /runs/focus_retrofit/Mistral-7B-Instruct-K2 --num_fewshot 0 \\
+      --tasks truthfulqa_mc1,hellaswag,arc_easy,lambada_openai
+
+Where the paper is silent, we chose (FOCUS_SPEC.md OQ-1, OQ-6, OQ-7): AdamW at LR 1e-3 with 100 warmup steps and no
+weight decay, batch 8 sequences; lambda 10 for the gate; cosine routing scores; the base model's own tokenizer.
+Data: the paper's PG-19 (one book per .txt file); WikiText-103 and OpenWebText for the other domains of section 6.2.
+
+Not runnable yet: GPT-2, Qwen2.5 and OLMo-2 ship only a Hugging Face tokenizer.json, and the data pipeline reads
+SentencePiece models only, so those lines stop at the tokenizer check; Mistral v0.1's sliding window would be
+refused (Focus brings its own window), hence v0.2 / v0.3.
+
+Arguments: init_from (a focal_jax workdir: its model and tokenizer), hf (a Hugging Face directory with a
+SentencePiece tokenizer.model), groups (K), dim (d_g), window (w), tau, iters (Sinkhorn), gate (paper | log), lam
+(the gate's lambda), causal (prefix-causal Sinkhorn), steps, data (a glob of training files; default: the base
+run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints hold the centroids
+only and record the base model.
 """
 
 import os
@@ -19,7 +79,8 @@ from focal_jax.configs import common
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", groups=4)
+    arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", groups=4, steps=4000, data="",
+                           **common.FOCUS_ROUTING)
     if bool(arg.init_from) == bool(arg.hf):
         raise ValueError("focus_retrofit needs exactly one of init_from=WORKDIR or hf=DIRECTORY")
     config = common.base_config()
@@ -28,31 +89,24 @@ def get_config(arg=None):
         config.model = {"family": "hf"}
         config.data.tokenizer = os.path.join(arg.hf, "tokenizer.model")
         if not os.path.isfile(config.data.tokenizer):
-            raise ValueError(f"hf={arg.hf!r} has no SentencePiece tokenizer.model (LLaMA / Mistral ship one); "
-                             f"set --config.data.tokenizer to the model's SentencePiece file")
+            raise ValueError(f"hf={arg.hf!r} has no SentencePiece tokenizer.model (LLaMA / Mistral ship one; GPT-2, "
+                             f"Qwen and OLMo ship only a Hugging Face tokenizer.json, which the data pipeline does "
+                             f"not read)")
     else:
-        from focal_jax.train.checkpoint import read_meta  # the base run's model settings
-
-        _, meta = read_meta(arg.init_from)
-        config.model = meta["config"]["model"]
-        config.data.update(meta["config"]["data"])
-    config.retrofit.focus = {"groups": arg.groups, "dim": 16, "window": 128, "tau": 0.1, "iters": 10,
-                             "gate": "paper", "lam": 10.0}
+        base = common.base_run(arg.init_from)  # the base run's model and data settings
+        config.model = base["model"]
+        config.data.update(base["data"])
+        config.data.tokenizer = common.run_tokenizer(arg.init_from)
+    config.retrofit.focus = {"groups": arg.groups, **{k: arg[k] for k in common.FOCUS_ROUTING}}
     config.optim.update(trainable="centroids", lr=1e-3, warmup_steps=100, weight_decay=0.0)
+    common.set_data(config, arg.data)
     config.data.seq_len = 1024
     config.batch_size = 8
-    config.total_steps = 4000
+    config.total_steps = arg.steps
     config.log_every = 20
     config.eval_every = 500
     config.ckpt_every = 500
     config.compute_dtype = "float32"
     if arg.runlocal:
-        config.data.seq_len = 64
-        config.batch_size = 4
-        config.total_steps = 20
-        config.log_every = 1
-        config.eval_every = config.ckpt_every = 20
-        config.eval_batches = 1
-        config.retrofit.focus.window = 16
-        config.optim.warmup_steps = 5
+        config = common.runlocal(config, model=config.model.to_dict())
     return config

@@ -4,7 +4,7 @@ minutes on 2 CPU cores and shows a falling loss; `runlocal` takes seconds. Repro
 
   python -m focal_jax.train --config experiments/quickstart.py --workdir /tmp/quickstart
   python -m focal_jax.train --config experiments/quickstart.py:runlocal --workdir /tmp/quickstart_local
-  python -m focal_jax.train --config experiments/quickstart.py:attn=dense --workdir /tmp/quickstart_dense
+  python -m focal_jax.train --config experiments/quickstart.py:attn=baseline --workdir /tmp/quickstart_dense
 
 Arguments: runlocal, attn (a Focal paper variant: baseline | focal | learned).
 """

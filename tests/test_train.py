@@ -1,9 +1,12 @@
 """The trainer: meshes, resume, preemption, multi-process, init precedence, retrofit, bad input, experiments."""
 
+import ast
 import glob
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +28,7 @@ from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
 from focal_jax.train.sharding import make_mesh, partition_spec
-from focal_jax.train.trainer import load_model
+from focal_jax.train.trainer import init_model, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden_trainable.json")
@@ -353,7 +356,14 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
 def experiment_args(base_workdir: str) -> dict:
     """The runlocal argument of every experiment file (a new experiment must be added here)."""
     return {"quickstart": "runlocal", "focus_retrofit": f"runlocal,init_from={base_workdir}",
-            "focus_sparse": "runlocal"}
+            "focus_sparse": "runlocal", "focal_scaling": "runlocal",
+            "focal_token_scaling": "runlocal,variant=baseline",
+            "focal_temperature_ablation": "runlocal,learned,tau_min=3",
+            "focal_adapt": f"runlocal,init_from={base_workdir}",
+            "focal_long_context": f"runlocal,init_from={base_workdir}",
+            "focus_finetune": f"runlocal,init_from={base_workdir},attn=dense", "focus_scratch": "runlocal",
+            "focus_window_baseline": f"runlocal,init_from={base_workdir}",
+            "lora_baseline": f"runlocal,init_from={base_workdir}"}
 
 
 def test_every_experiment_runs_two_steps(tmp_path, cache_dir):
@@ -370,3 +380,314 @@ def test_every_experiment_runs_two_steps(tmp_path, cache_dir):
         train(config, workdir)
         assert sorted(losses(workdir)) == [1, 2], name
         assert load_experiment(name, args[name].replace("runlocal", "")).total_steps > 100, name
+
+
+# ------------------------------------------------------------------------------------------------ paper sweeps
+
+EXPERIMENTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+
+# The papers' numbers, written out here rather than read from configs/common.py or focal_jax.nn.llama.
+FOCAL_TABLE_3 = {  # size: (hidden, intermediate, heads, layers)
+    "400M": (1024, 3072, 8, 24), "777M": (1536, 4096, 12, 24), "1.3B": (2048, 5504, 16, 24),
+    "2.7B": (2560, 6912, 20, 32), "6.7B": (4096, 11008, 32, 32), "9.5B": (4608, 12288, 36, 36)}
+FOCAL_TABLE_4_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7B": 4e-4, "9.5B": 4e-4}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    """Run directories the launch lines start from: a tiny base run, a Focus phase-1 run on it (K = 8, 3 steps, so
+    that its centroids moved), and a stand-in Hugging Face directory (config files only: nothing loads it)."""
+    root = tmp_path_factory.mktemp("runs")
+    base, phase1, hf = str(root / "base"), str(root / "focus_retrofit"), root / "hf"
+    train(tiny(cache_dir, total_steps=1), base)
+    config = load_experiment("focus_retrofit", f"runlocal,init_from={base},groups=8")
+    config.update(total_steps=3, batch_size=8, eval_batches=0)
+    train(config, phase1)
+    hf.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        (hf / name).write_text("")
+    return {"base": base, "phase1": phase1, "hf": str(hf)}
+
+
+def docstring_blocks(name: str) -> list[str]:
+    """The shell blocks of an experiment's docstring: runs of lines indented by 2+ spaces after a blank line."""
+    with open(os.path.join(ROOT, "experiments", f"{name}.py")) as f:
+        doc = ast.get_docstring(ast.parse(f.read()), clean=False)
+    blocks, block, blank = [], None, True
+    for line in doc.splitlines() + [""]:
+        if line.startswith("  ") and (block is not None or blank):
+            block = (block or []) + [line]
+        elif block is not None:
+            blocks.append("\n".join(block))
+            block = None
+        blank = not line.strip()
+    return blocks
+
+
+def launch_commands(name: str) -> list[list[str]]:
+    """The arguments of every `python ...` command in the docstring's shell blocks, as bash expands them (loops,
+    variables, quotes), with `python` replaced by a function that prints its arguments and nothing else on PATH."""
+    script = "python() { printf '%s\\0' \"$@\"; printf '\\n\\0'; }\nset -e\n" + "\n".join(docstring_blocks(name))
+    result = subprocess.run([shutil.which("bash"), "-c", script], env={"PATH": "/nonexistent"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{name}: its docstring's shell blocks fail: {result.stderr}"
+    commands, current = [], []
+    for token in result.stdout.split("\0")[:-1]:
+        if token == "\n":
+            commands.append(current)
+            current = []
+        else:
+            current.append(token)
+    return commands
+
+
+def check_eval_command(name: str, args: list[str]):
+    """`python -m focal_jax.eval.MODULE ...` names an evaluation module and only options its parser defines."""
+    module = args[1] if args[:1] == ["-m"] else ""
+    path = os.path.join(ROOT, *module.split(".")) + ".py"
+    assert module.startswith("focal_jax.eval.") and os.path.isfile(path), f"{name}: unknown command {args}"
+    with open(path) as f:
+        options = set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", f.read()))
+    used = {a for a in args[2:] if a.startswith("--")}
+    assert "--workdir" in used and used <= options, f"{name}: {args} uses options outside {sorted(options)}"
+
+
+def parse_train_command(name: str, args: list[str]) -> tuple[str, str, dict]:
+    """(experiment, its argument, {--config.KEY: value}) of `python -m focal_jax.train ...` arguments."""
+    assert args[:2] == ["-m", "focal_jax.train"], f"{name}: unexpected command python {' '.join(args)}"
+    flags, overrides, rest = {}, {}, args[2:]
+    while rest:
+        flag = rest.pop(0)
+        if flag.startswith("--config."):
+            key, _, value = flag[len("--config."):].partition("=")
+            overrides[key] = value
+        else:
+            assert flag in ("--config", "--workdir") and rest, f"{name}: bad train flag {flag!r} in {args}"
+            flags[flag] = rest.pop(0)
+    assert set(flags) == {"--config", "--workdir"}, f"{name}: {args} lacks --config or --workdir"
+    match = re.fullmatch(r"experiments/(\w+)\.py(?::(.*))?", flags["--config"])
+    assert match, f"{name}: --config {flags['--config']!r} is not experiments/NAME.py:ARG"
+    return match.group(1), match.group(2) or "", overrides
+
+
+def local_arg(arg: str, runs: dict) -> str:
+    """`arg` with the run directories of the launch lines replaced by local ones (a focus_retrofit run by the
+    phase-1 run, any other workdir by the base run, a Hugging Face directory by the stand-in)."""
+    items = []
+    for item in filter(None, arg.split(",")):
+        key, _, value = item.partition("=")
+        if key == "init_from":
+            value = runs["phase1"] if "focus_retrofit" in value else runs["base"]
+        elif key == "hf":
+            value = runs["hf"]
+        items.append(f"{key}={value}" if _ else key)
+    return ",".join(items)
+
+
+def override(config, key: str, value: str):
+    """Apply `--config.KEY=VALUE` as ml_collections does for an existing key (same type)."""
+    *parents, last = key.split(".")
+    section = config
+    for parent in parents:
+        section = section[parent]
+    assert last in section, f"--config.{key} names no config key"
+    section[last] = type(section[last])(value)
+
+
+def arg_dict(arg: str) -> dict:
+    return {k: (v if _ else True) for k, _, v in (item.partition("=") for item in filter(None, arg.split(",")))}
+
+
+def check_focal_model(run, size):
+    hidden, intermediate, heads, layers = FOCAL_TABLE_3[size]
+    m = run.model
+    assert (m.d_model, m.intermediate, m.n_heads, m.n_layers) == (hidden, intermediate, heads, layers), size
+    assert (m.vocab_size, m.attention.head_dim, m.n_kv_heads, m.tie_embeddings) == (32000, 128, heads, False)
+    o = run.optim
+    assert (o.b1, o.b2, o.weight_decay, o.clip, run.data.vocab_size) == (0.9, 0.95, 0.05, 1.0, 32000)
+
+
+def check_variant(run, variant):
+    a = run.model.attention
+    expected = {"baseline": ("dense", None, None), "focal": ("focal", 0.4, None),
+                "learned": ("focal_learned", None, (5.0, 10.0))}[variant]
+    assert a.kind == expected[0], (variant, a.kind)
+    assert expected[1] is None or a.focal_t == expected[1]
+    assert expected[2] is None or (a.tau_min, a.tau_max) == expected[2]
+
+
+def check_focal_scaling(built):
+    grid = set()
+    for args, _, run in built:
+        size, variant, seq_len = args["size"], args["variant"], int(args.get("seq_len", 2048))
+        check_focal_model(run, size)
+        check_variant(run, variant)
+        assert run.batch_size * run.data.seq_len == 262_144 and run.data.seq_len == seq_len  # 0.26M tokens
+        assert (run.optim.lr, run.total_steps, run.optim.warmup_steps, run.optim.final_lr_fraction) == (
+            FOCAL_TABLE_4_LR[size], 100_000, 2000, 0.1)
+        assert run.model.rope_theta == 10_000
+        grid.add((size, seq_len, variant))
+    variants = ("baseline", "focal", "learned")
+    figure_2 = {(size, 2048, v) for size in FOCAL_TABLE_3 for v in variants}
+    figure_4 = {(size, n, v) for size in ("777M", "1.3B", "2.7B") for n in (2048, 4096, 8192) for v in variants}
+    assert grid >= figure_2 | figure_4, sorted((figure_2 | figure_4) - grid)
+
+
+def check_focal_token_scaling(built):
+    for args, _, run in built:
+        check_focal_model(run, "2.7B")
+        check_variant(run, args["variant"])
+        assert (run.batch_size, run.data.seq_len, run.optim.lr, run.total_steps) == (1024, 2048, 5e-4, 150_000)
+        assert abs(run.total_steps * run.batch_size * run.data.seq_len / 315e9 - 1) < 0.01  # 2.1M x 150K
+        assert run.keep_checkpoints * run.ckpt_every >= run.total_steps  # every intermediate checkpoint kept
+    assert {args["variant"] for args, _, _ in built} == {"baseline", "focal", "learned"}
+
+
+def check_focal_temperature_ablation(built):
+    constant, learned = set(), set()
+    for args, _, run in built:
+        check_focal_model(run, "2.7B")
+        assert (run.batch_size * run.data.seq_len, run.total_steps, run.optim.lr) == (262_144, 100_000, 5e-4)
+        a = run.model.attention
+        if args.get("learned"):
+            tau = (float(args.get("tau_min", 5)), float(args.get("tau_max", 10)))
+            assert (a.kind, a.tau_min, a.tau_max) == ("focal_learned", *tau)
+            learned.add(tau)
+        else:
+            t = float(args["t"])
+            assert (a.kind == "dense") if t == 1.0 else ((a.kind, a.focal_t) == ("focal", t)), (t, a)
+            constant.add(t)
+    assert constant == {0.3, 0.4, 0.5, 0.6, 1.0}
+    assert learned == {(m, 10.0) for m in range(1, 8)} | {(5.0, 11.31)}
+    # The docstring says t = 0.4 is focal_scaling's 2.7B focal run: the same config.
+    assert checkpoint.config_json(load_experiment("focal_temperature_ablation", "t=0.4")) == checkpoint.config_json(
+        load_experiment("focal_scaling", "size=2.7B,variant=focal"))
+
+
+def check_focal_adapt(built):
+    for args, _, run in built:
+        check_focal_model(run, "2.7B")
+        assert run.init_from and run.optim.trainable == "all"
+        assert (run.optim.lr, run.total_steps, run.batch_size * run.data.seq_len) == (5e-5, 5000, 262_144)
+        assert (run.optim.warmup_steps, run.optim.final_lr_fraction) == (100, 1.0)
+        t, a = float(args["t"]), run.model.attention
+        assert (a.kind == "dense") if t == 1.0 else ((a.kind, a.focal_t) == ("focal", t)), (t, a)
+    assert {float(args["t"]) for args, _, _ in built} == {0.4, 1.0}
+
+
+def check_focal_long_context(built):
+    for args, _, run in built:
+        check_focal_model(run, "2.7B")
+        check_variant(run, args["variant"])
+        assert run.init_from and (run.data.seq_len, run.batch_size, run.model.rope_theta) == (32768, 64, 500_000)
+        assert abs(run.total_steps * run.batch_size * run.data.seq_len / 5e9 - 1) < 0.01  # 5B tokens
+    assert {args["variant"] for args, _, _ in built} == {"baseline", "focal"}
+
+
+def check_focus_retrofit(built):
+    settings = set()
+    for args, _, run in built:
+        (focus,) = run.retrofit
+        expected = (int(args.get("groups", 4)), int(args.get("dim", 16)), int(args.get("window", 128)),
+                    float(args.get("tau", 0.1)), int(args.get("iters", 10)), args.get("gate", "paper"))
+        assert (focus.groups, focus.dim, focus.window, focus.tau, focus.iters, focus.gate) == expected
+        assert (run.optim.trainable, run.optim.lr, run.data.seq_len) == ("centroids", 1e-3, 1024)
+        assert run.total_steps == int(args.get("steps", 4000))
+        settings.add(expected[:5])
+    paper = ({(4, d, 128, 0.1, 10) for d in (16, 32, 128, 768)} | {(k, 16, 128, 0.1, 10) for k in (4, 8, 16, 32)}
+             | {(8, 16, w, 0.1, 10) for w in (64, 128, 256, 512)} | {(8, 16, 128, t, 10) for t in (0.05, 0.1, 0.2, 0.5)}
+             | {(8, 16, 128, 0.1, n) for n in (3, 5, 10, 20)} | {(2, 16, w, 0.1, 10) for w in (16, 128, 512)})
+    assert settings >= paper, sorted(paper - settings)
+
+
+def check_focus_finetune(built):
+    for args, _, run in built:
+        assert (run.optim.trainable, run.optim.lr, run.total_steps, run.data.seq_len) == ("all", 5e-5, 4000, 1024)
+        if args.get("attn", "focus") == "focus":  # phase 2 of the local phase-1 run (K = 8 on a Focal base)
+            assert (run.model.attention.kind, run.model.attention.focus_groups) == ("focal+focus", 8)
+        else:
+            assert run.model is None or run.model.attention.kind == "focal"  # the base run's own
+    assert {args.get("attn", "focus") for args, _, _ in built} == {"focus", "dense"}
+
+
+def check_focus_scratch(built):
+    for args, _, run in built:
+        m = run.model
+        if args.get("size", "mistral-7b") == "mistral-7b":
+            assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.intermediate, m.vocab_size) == (
+                4096, 32, 32, 8, 14336, 32000)
+        assert abs(run.total_steps * run.batch_size * run.data.seq_len / 2e9 - 1) < 0.01  # 2B tokens
+        assert run.optim.trainable == "all"
+        if args["attn"] == "focus":
+            assert (m.attention.kind, m.attention.focus_groups, m.attention.focus_window) == ("focus", 4, 128)
+        else:
+            assert m.attention.kind == "dense"
+    assert {args["attn"] for args, _, _ in built} == {"focus", "dense"}
+
+
+def check_focus_window_baseline(built):
+    for args, _, run in built:
+        assert run.model.attention.window == int(args.get("window", 128)) and run.optim.trainable == "all"
+
+
+PAPER_CHECKS = {"focal_scaling": check_focal_scaling, "focal_token_scaling": check_focal_token_scaling,
+                "focal_temperature_ablation": check_focal_temperature_ablation, "focal_adapt": check_focal_adapt,
+                "focal_long_context": check_focal_long_context, "focus_retrofit": check_focus_retrofit,
+                "focus_finetune": check_focus_finetune, "focus_scratch": check_focus_scratch,
+                "focus_window_baseline": check_focus_window_baseline}
+
+
+def test_docstring_launch_lines_build_the_papers_configs(runs):
+    """Every `python -m focal_jax.train` line of every experiment docstring (loops expanded by bash) builds a
+    config that passes check_config; the paper experiments' numbers and sweep grids are checked against the specs."""
+    built = {}
+    for name in EXPERIMENTS:
+        commands = launch_commands(name)
+        for args in commands:
+            if args[:2] != ["-m", "focal_jax.train"]:
+                check_eval_command(name, args)
+                continue
+            experiment, arg, overrides = parse_train_command(name, args)
+            config = load_experiment(experiment, local_arg(arg, runs))
+            for key, value in overrides.items():
+                override(config, key, value)
+            built.setdefault(experiment, []).append((arg_dict(arg), config, check_config(config)))
+        assert any(parse_train_command(name, a)[0] == name for a in commands if "focal_jax.train" in a), (
+            f"{name}: its docstring has no launch line of its own")
+    eval_lines = [a for a in launch_commands("focal_long_context") if "focal_jax.eval.perplexity" in a]  # 64K
+    assert any(a[a.index("--seq-len") + 1] == "65536" and "--rope-ntk-factor" in a
+               for a in eval_lines if "--seq-len" in a)
+    for name, check in PAPER_CHECKS.items():
+        check(built[name])
+
+
+def test_misspelt_experiment_argument_names_the_known_ones():
+    for name in EXPERIMENTS:
+        with pytest.raises(ValueError, match="unknown config argument 'sise'; known: ") as error:
+            load_experiment(name, "runlocal,sise=400M")
+        known = re.findall(r"'(\w+)'", str(error.value).split("known: ")[1])
+        with open(os.path.join(ROOT, "experiments", f"{name}.py")) as f:
+            documented = ast.get_docstring(ast.parse(f.read())).split("Arguments:")[1]
+        assert "runlocal" in known and all(re.search(rf"\b{k}\b", documented) for k in known), (name, known)
+
+
+def test_focus_finetune_starts_from_phase_one(runs):
+    """Phase 2 builds the phase-1 model (its Focus settings, its trained centroids, its base weights) and trains
+    every parameter; the full-attention control and phase 2 refuse the other kind of run."""
+    run = check_config(load_experiment("focus_finetune", f"runlocal,init_from={runs['phase1']}"))
+    phase2 = init_model(run)
+    phase1 = load_model(runs["phase1"])
+    assert phase2.layers[0].self_attn.config == phase1.layers[0].self_attn.config
+    phase1_params = nnx.to_pure_dict(nnx.state(phase1, nnx.Param))
+    phase2_params = nnx.to_pure_dict(nnx.state(phase2, nnx.Param))
+    assert param_paths(phase2_params) == param_paths(phase1_params)
+    for path, value in zip(param_paths(phase1_params), jax.tree.leaves(phase1_params)):
+        np.testing.assert_array_equal(_get(phase2_params, path), value, err_msg=path)
+    # The centroids phase 1 trained are not the ones a fresh retrofit draws (else the check above proves nothing).
+    fresh = init_model(check_config(load_experiment("focus_retrofit", f"runlocal,init_from={runs['base']},groups=8")))
+    assert not np.array_equal(fresh.layers[0].self_attn.w_g[...], phase1.layers[0].self_attn.w_g[...])
+    assert param_paths(split_trainable(phase2, run.optim)[1]) == param_paths(phase2_params)
+    with pytest.raises(ValueError, match="is a Focus retrofit run"):
+        load_experiment("focus_finetune", f"runlocal,init_from={runs['phase1']},attn=dense")
+    with pytest.raises(ValueError, match="attn=focus starts from a phase-1 run"):
+        load_experiment("focus_finetune", f"runlocal,init_from={runs['base']}")
