@@ -33,6 +33,9 @@ setup(
             "transformers>=4.50",
             "safetensors>=0.4",
             "lm_eval>=0.4.13",
+            "nbclient>=0.10",  # the notebooks run headless in the tests
+            "nbformat>=5.9",
+            "ipykernel>=6.29",
         ],
         "eval": ["lm_eval>=0.4.13"],
         "gpu": ["jax[cuda]>=0.10.2,<0.12", "jax-triton>=0.3"],
