@@ -157,12 +157,15 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict 
              ) -> ml_collections.ConfigDict:
     """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings and the
     RoPE theta) or a tiny GPT-2, or `model` if given (the model section of a run that starts from another run: that
-    run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus retrofit's window
-    shrinks to 16 so that the 64-token sequences reach past it."""
+    run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus window (of a
+    retrofit or of the model's attention) shrinks to 16 so that the 64-token sequences reach past it."""
     if model is None:
         model = config.model.to_dict()
         if model.get("family", "llama") == "llama":
-            model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": model.get("attn", {}),
+            attn = dict(model.get("attn", {}))
+            if "focus_window" in attn:
+                attn["focus_window"] = min(attn["focus_window"], 16)
+            model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": attn,
                      **({"rope_theta": model["rope_theta"]} if "rope_theta" in model else {})}
         elif model["family"] == "gpt2":
             model.update(vocab_size=512, n_positions=128, d_model=64, n_layers=2, n_heads=4)
