@@ -17,6 +17,7 @@ setup(
         "orbax-checkpoint>=0.11",
         "grain>=0.2.10",
         "sentencepiece>=0.2",
+        "tokenizers>=0.19",
         "ml-collections>=1.0",
         "numpy>=1.26",
         "matplotlib>=3.8",

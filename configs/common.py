@@ -91,13 +91,15 @@ def focal_pretraining(size: str, attn: dict, *, seq_len: int = 2048, batch_token
 
 
 def run_tokenizer(workdir: str) -> str:
-    """The tokenizer a focal_jax run was trained with (WORKDIR/tokenizer.model): a run that starts from it must
-    tokenize as it did, whatever its own data."""
-    path = os.path.join(os.path.expanduser(workdir), "tokenizer.model")
-    if not os.path.isfile(path):
-        raise ValueError(f"init_from={workdir!r} holds no tokenizer.model (a focal_jax run directory holds the "
-                         f"tokenizer it was trained with)")
-    return path
+    """The tokenizer file a focal_jax run was trained with (its workdir copy: WORKDIR/tokenizer.model, or
+    WORKDIR/tokenizer.json with its tokenizer_config.json): a run that starts from it must tokenize as it did,
+    whatever its own data."""
+    from focal_jax.data.tokenizer import tokenizer_file
+
+    try:
+        return tokenizer_file(workdir)
+    except FileNotFoundError as e:
+        raise ValueError(f"init_from={workdir!r} is not a focal_jax run directory with its tokenizer: {e}") from None
 
 
 def base_run(workdir: str) -> dict:
@@ -107,6 +109,45 @@ def base_run(workdir: str) -> dict:
     if not os.path.isdir(os.path.expanduser(workdir)):
         raise ValueError(f"init_from={workdir!r} is not a directory (a focal_jax workdir)")
     return read_meta(os.path.expanduser(workdir))[1]["config"]
+
+
+def start_from(config: ml_collections.ConfigDict, *, init_from: str, hf: str, experiment: str) -> dict | None:
+    """Points `config` at the model a run starts from: a focal_jax run directory `init_from` (its model, data
+    settings and tokenizer) or a Hugging Face directory `hf` (model family 'hf'; its tokenizer.model, else its
+    tokenizer.json). Exactly one of the two. Returns the base run's stored config (None for `hf`)."""
+    if bool(init_from) == bool(hf):
+        raise ValueError(f"{experiment} needs exactly one of init_from=WORKDIR or hf=DIRECTORY")
+    config.init_from = init_from or hf
+    if hf:
+        from focal_jax.data.tokenizer import tokenizer_file
+
+        config.model = {"family": "hf"}
+        try:  # tokenizer.model (LLaMA, Mistral), else tokenizer.json (GPT-2, Qwen, OLMo)
+            config.data.tokenizer = tokenizer_file(hf)
+        except FileNotFoundError as e:
+            raise ValueError(f"hf={hf!r} has no tokenizer: {e}") from None
+        return None
+    base = base_run(init_from)
+    config.model = base["model"]
+    config.data.update(base["data"])
+    config.data.tokenizer = run_tokenizer(init_from)
+    return base
+
+
+def finetune_schedule(config: ml_collections.ConfigDict, *, steps: int, local: bool) -> ml_collections.ConfigDict:
+    """The schedule of the Focus paper's retrofits and fine-tuning runs: sequences of 1024 tokens, 8 per step,
+    `steps` steps, logs every 20, evaluation and checkpoints every 500, float32; `local` shrinks it (`runlocal`)
+    around the model the run starts from."""
+    config.data.seq_len = 1024
+    config.batch_size = 8
+    config.total_steps = steps
+    config.log_every = 20
+    config.eval_every = 500
+    config.ckpt_every = 500
+    config.compute_dtype = "float32"
+    if local:
+        config = runlocal(config, model=config.model.to_dict())
+    return config
 
 
 def _convert(name: str, text: str, default):

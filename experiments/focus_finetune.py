@@ -50,15 +50,12 @@ weight decay, batch 8; that Table 5 used the two-phase protocol (inferred in sec
 tokenizer are phase 1's unless `data=` is given. The data names: PG-19 (one book per .txt file), WikiText-103 and
 OpenWebText (parquet files with a 'text' column).
 
-Not runnable yet: the GPT-2 lines need a Hugging Face tokenizer.json in the data pipeline (see
-`focus_retrofit.py`), and phase 2 after a phase 1 on a Hugging Face directory needs the trainer to rebuild that
-base (`init_from` of a run whose own base is a Hugging Face directory is refused); phase 2 runs from focal_jax bases.
+Not runnable yet: phase 2 after a phase 1 on a Hugging Face directory needs the trainer to rebuild that base
+(`init_from` of a run whose own base is a Hugging Face directory is refused); phase 2 runs from focal_jax bases.
 
 Arguments: init_from (attn=focus: the phase-1 `focus_retrofit.py` workdir; attn=dense: a focal_jax base run), hf (a
 Hugging Face directory, attn=dense only), attn (focus | dense), steps, data (a glob of training files), runlocal.
 """
-
-import os
 
 from focal_jax.configs import common
 from focal_jax.nn.retrofit import FocusConfig
@@ -81,21 +78,12 @@ def with_focus(model: dict, focus: dict) -> dict:
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", attn="focus", steps=4000, data="")
     common.check_choice("attn", arg.attn, ("focus", "dense"))
-    if bool(arg.init_from) == bool(arg.hf):
-        raise ValueError("focus_finetune needs exactly one of init_from=WORKDIR or hf=DIRECTORY")
+    if arg.hf and arg.attn != "dense":
+        raise ValueError(f"hf={arg.hf!r} starts the full-attention control (attn=dense); phase 2 of Focus "
+                         f"starts from its phase-1 run: init_from=WORKDIR of focus_retrofit.py")
     config = common.base_config()
-    config.init_from = arg.init_from or arg.hf
-    if arg.hf:
-        if arg.attn != "dense":
-            raise ValueError(f"hf={arg.hf!r} starts the full-attention control (attn=dense); phase 2 of Focus "
-                             f"starts from its phase-1 run: init_from=WORKDIR of focus_retrofit.py")
-        config.model = {"family": "hf"}
-        config.data.tokenizer = os.path.join(arg.hf, "tokenizer.model")
-        if not os.path.isfile(config.data.tokenizer):
-            raise ValueError(f"hf={arg.hf!r} has no SentencePiece tokenizer.model (GPT-2, Qwen and OLMo ship only "
-                             f"a Hugging Face tokenizer.json, which the data pipeline does not read)")
-    else:
-        base = common.base_run(arg.init_from)
+    base = common.start_from(config, init_from=arg.init_from, hf=arg.hf, experiment="focus_finetune")
+    if base is not None:
         focus = (base.get("retrofit") or {}).get("focus")
         if arg.attn == "focus" and not focus:
             raise ValueError(f"attn=focus starts from a phase-1 run of focus_retrofit.py; init_from="
@@ -107,18 +95,9 @@ def get_config(arg=None):
         if base["model"].get("family") == "hf":
             raise ValueError(f"init_from={arg.init_from!r} was trained from the Hugging Face directory "
                              f"{base.get('init_from')!r}; the trainer cannot yet start a run from such a run")
-        config.model = with_focus(base["model"], focus) if focus else base["model"]
-        config.data.update(base["data"])
-        config.data.tokenizer = common.run_tokenizer(arg.init_from)
+        if focus:
+            config.model = with_focus(base["model"], focus)
     config.optim.update(trainable="all", lr=5e-5, warmup_steps=100, weight_decay=0.0)
     common.set_data(config, arg.data)
-    config.data.seq_len = 1024
-    config.batch_size = 8
-    config.total_steps = arg.steps
-    config.log_every = 20
-    config.eval_every = 500
-    config.ckpt_every = 500
-    config.compute_dtype = "float32"
-    if arg.runlocal:
-        config = common.runlocal(config, model=config.model.to_dict())
+    config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)
     return config

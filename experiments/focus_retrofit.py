@@ -62,18 +62,17 @@ Where the paper is silent, we chose (FOCUS_SPEC.md OQ-1, OQ-6, OQ-7): AdamW at L
 weight decay, batch 8 sequences; lambda 10 for the gate; cosine routing scores; the base model's own tokenizer.
 Data: the paper's PG-19 (one book per .txt file); WikiText-103 and OpenWebText for the other domains of section 6.2.
 
-Not runnable yet: GPT-2, Qwen2.5 and OLMo-2 ship only a Hugging Face tokenizer.json, and the data pipeline reads
-SentencePiece models only, so those lines stop at the tokenizer check; Mistral v0.1's sliding window would be
-refused (Focus brings its own window), hence v0.2 / v0.3.
+Tokenizer: the base model's own, the directory's SentencePiece tokenizer.model (LLaMA, Mistral) or else its Hugging
+Face tokenizer.json (GPT-2, Qwen2.5, OLMo-2), with bos / eos from its tokenizer_config.json / config.json; without a
+bos every document is framed `<eos> doc <eos>`, as GPT-2 was trained (`focal_jax.data.tokenizer`). Mistral v0.1's
+sliding window would be refused (Focus brings its own window), hence v0.2 / v0.3.
 
-Arguments: init_from (a focal_jax workdir: its model and tokenizer), hf (a Hugging Face directory with a
-SentencePiece tokenizer.model), groups (K), dim (d_g), window (w), tau, iters (Sinkhorn), gate (paper | log), lam
-(the gate's lambda), causal (prefix-causal Sinkhorn), steps, data (a glob of training files; default: the base
-run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints hold the centroids
-only and record the base model.
+Arguments: init_from (a focal_jax workdir: its model and tokenizer), hf (a Hugging Face directory: its config.json,
+safetensors, and tokenizer.model or tokenizer.json), groups (K), dim (d_g), window (w), tau, iters (Sinkhorn), gate
+(paper | log), lam (the gate's lambda), causal (prefix-causal Sinkhorn), steps, data (a glob of training files;
+default: the base run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints
+hold the centroids only and record the base model.
 """
-
-import os
 
 from focal_jax.configs import common
 
@@ -81,32 +80,10 @@ from focal_jax.configs import common
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", groups=4, steps=4000, data="",
                            **common.FOCUS_ROUTING)
-    if bool(arg.init_from) == bool(arg.hf):
-        raise ValueError("focus_retrofit needs exactly one of init_from=WORKDIR or hf=DIRECTORY")
     config = common.base_config()
-    config.init_from = arg.init_from or arg.hf
-    if arg.hf:
-        config.model = {"family": "hf"}
-        config.data.tokenizer = os.path.join(arg.hf, "tokenizer.model")
-        if not os.path.isfile(config.data.tokenizer):
-            raise ValueError(f"hf={arg.hf!r} has no SentencePiece tokenizer.model (LLaMA / Mistral ship one; GPT-2, "
-                             f"Qwen and OLMo ship only a Hugging Face tokenizer.json, which the data pipeline does "
-                             f"not read)")
-    else:
-        base = common.base_run(arg.init_from)  # the base run's model and data settings
-        config.model = base["model"]
-        config.data.update(base["data"])
-        config.data.tokenizer = common.run_tokenizer(arg.init_from)
+    common.start_from(config, init_from=arg.init_from, hf=arg.hf, experiment="focus_retrofit")
     config.retrofit.focus = {"groups": arg.groups, **{k: arg[k] for k in common.FOCUS_ROUTING}}
     config.optim.update(trainable="centroids", lr=1e-3, warmup_steps=100, weight_decay=0.0)
     common.set_data(config, arg.data)
-    config.data.seq_len = 1024
-    config.batch_size = 8
-    config.total_steps = arg.steps
-    config.log_every = 20
-    config.eval_every = 500
-    config.ckpt_every = 500
-    config.compute_dtype = "float32"
-    if arg.runlocal:
-        config = common.runlocal(config, model=config.model.to_dict())
+    config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)
     return config

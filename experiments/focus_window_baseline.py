@@ -59,14 +59,8 @@ def get_config(arg=None):
     config.data.tokenizer = common.run_tokenizer(arg.init_from)
     config.optim.update(trainable="all", lr=5e-5, warmup_steps=100, weight_decay=0.0)
     common.set_data(config, arg.data)
-    config.data.seq_len = 1024
-    config.batch_size = 8
-    config.total_steps = arg.steps
-    config.log_every = 20
-    config.eval_every = 500
-    config.ckpt_every = 500
-    config.compute_dtype = "float32"
     if arg.runlocal:
         model["attn"]["window"] = min(arg.window, 16)
-        config = common.runlocal(config, model=model)
+        config.model = model
+    config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)
     return config

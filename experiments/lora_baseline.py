@@ -27,45 +27,15 @@ runlocal. One of init_from / hf is required. The checkpoints hold the LoRA param
 `focal_jax.nn.lora.merge_lora` folds them into the kernels for export.
 """
 
-import os
-
 from focal_jax.configs import common
 
 
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", rank=4, alpha=0.0, targets="qv", lr=1e-4,
                            steps=4000)
-    if bool(arg.init_from) == bool(arg.hf):
-        raise ValueError("lora_baseline needs exactly one of init_from=WORKDIR or hf=DIRECTORY")
     config = common.base_config()
-    config.init_from = arg.init_from or arg.hf
-    if arg.hf:
-        config.model = {"family": "hf"}
-        config.data.tokenizer = os.path.join(arg.hf, "tokenizer.model")
-        if not os.path.isfile(config.data.tokenizer):
-            raise ValueError(f"hf={arg.hf!r} has no SentencePiece tokenizer.model (LLaMA / Mistral ship one); "
-                             f"set --config.data.tokenizer to the model's SentencePiece file")
-    else:
-        from focal_jax.train.checkpoint import read_meta  # the base run's model settings
-
-        _, meta = read_meta(arg.init_from)
-        config.model = meta["config"]["model"]
-        config.data.update(meta["config"]["data"])
+    common.start_from(config, init_from=arg.init_from, hf=arg.hf, experiment="lora_baseline")
     config.retrofit.lora = {"rank": arg.rank, "alpha": arg.alpha or 2.0 * arg.rank, "targets": arg.targets}
     config.optim.update(trainable="lora", lr=arg.lr, warmup_steps=100, weight_decay=0.0)
-    config.data.seq_len = 1024
-    config.batch_size = 8
-    config.total_steps = arg.steps
-    config.log_every = 20
-    config.eval_every = 500
-    config.ckpt_every = 500
-    config.compute_dtype = "float32"
-    if arg.runlocal:
-        config.data.seq_len = 64
-        config.batch_size = 4
-        config.total_steps = 20
-        config.log_every = 1
-        config.eval_every = config.ckpt_every = 20
-        config.eval_batches = 1
-        config.optim.warmup_steps = 5
+    config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)
     return config

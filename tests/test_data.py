@@ -514,3 +514,54 @@ def test_frequent_words_scoring_and_errors():
     check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_vocab=3, top=3), "top=3", "n_vocab=3")
     check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_vocab=33), "n_vocab=33")
     check_raises(lambda: make_examples("frequent_words", 1, seed=0, n_words=2, top=2), "n_words=2")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run's tokenizer copy (SentencePiece kind; the Hugging Face kind: tests/test_tokenizer_hf.py)
+
+
+def test_workdir_copy_keeps_the_sentencepiece_kind(small_tokenizer, tmp_path):
+    import sentencepiece as spm
+
+    from focal_jax.data import copy_tokenizer, tokenizer_file, workdir_tokenizer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    for stale in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer of the other kind, replaced
+        (workdir / stale).write_text("{}")
+    copy = copy_tokenizer(small_tokenizer, str(workdir))
+    assert sorted(os.listdir(workdir)) == ["tokenizer.model"] and copy.path == str(workdir / "tokenizer.model")
+    reference = spm.SentencePieceProcessor(model_file=small_tokenizer.path)  # the original file, read directly
+    loaded = workdir_tokenizer(str(workdir))
+    assert (loaded.kind, loaded.vocab_size, loaded.bos_id, loaded.eos_id, loaded.start_id) == (
+        "sentencepiece", VOCAB, 2, 3, 2)
+    texts = words(5, seed=3) + ["x=1234 é 中 😀"]
+    assert loaded.encode_batch(texts) == reference.encode(texts)
+
+    # tokenizer.model is taken before tokenizer.json (Mistral ships both); neither: both names in the error.
+    (workdir / "tokenizer.json").write_text("{}")
+    assert tokenizer_file(str(workdir)) == str(workdir / "tokenizer.model")
+    os.remove(workdir / "tokenizer.model")
+    assert tokenizer_file(str(workdir)) == str(workdir / "tokenizer.json")
+    check_raises(lambda: tokenizer_file(str(tmp_path)), str(tmp_path), "neither tokenizer.model",
+                 "nor tokenizer.json", error=FileNotFoundError)
+
+
+def test_sentencepiece_model_without_bos_starts_documents_with_eos(tmp_path):
+    import io
+
+    import sentencepiece as spm
+
+    from focal_jax.data import encode_documents
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(words(100, seed=4)), model_writer=model, vocab_size=40,
+                                   bos_id=-1, eos_id=1, unk_id=0, pad_id=-1, minloglevel=2)
+    path = tmp_path / "no_bos.model"
+    path.write_bytes(model.getvalue())
+    reference = spm.SentencePieceProcessor(model_file=str(path))
+    assert reference.bos_id() == -1 and reference.eos_id() == 1
+    tok = load_tokenizer(str(path))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.start_id) == (None, 1, None, 1)
+    doc = words(1, seed=9)[0]
+    assert encode_documents(tok, [doc])[0].tolist() == [1] + reference.encode(doc) + [1]

@@ -1,4 +1,5 @@
-"""Data for training and evaluation: sources, a SentencePiece tokenizer, packing, synthetic tasks, grain pipelines.
+"""Data for training and evaluation: sources, tokenizers (SentencePiece or Hugging Face tokenizer.json), packing,
+synthetic tasks, grain pipelines.
 
     data = build_data(DataConfig(source='builtin', seq_len=128), global_batch=32, seed=0)
     it = train_iterator(data)            # it.get_state() / it.set_state(state): {'next_index': step}
@@ -12,10 +13,11 @@ from focal_jax.data.packing import pack
 from focal_jax.data.pipeline import Data, build_data, encode_documents, train_iterator
 from focal_jax.data.sources import read_documents
 from focal_jax.data.synthetic import Example, make_examples, score
-from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, train_tokenizer
+from focal_jax.data.tokenizer import (Tokenizer, cached_tokenizer, copy_tokenizer, load_tokenizer, tokenizer_file,
+                                      train_tokenizer, workdir_tokenizer)
 
 __all__ = [
-    "Data", "DataConfig", "Example", "Tokenizer", "build_data", "builtin_corpus", "cached_tokenizer",
-    "encode_documents", "load_tokenizer", "make_examples", "pack", "read_documents", "score", "train_iterator",
-    "train_tokenizer",
+    "Data", "DataConfig", "Example", "Tokenizer", "build_data", "builtin_corpus", "cached_tokenizer", "copy_tokenizer",
+    "encode_documents", "load_tokenizer", "make_examples", "pack", "read_documents", "score", "tokenizer_file",
+    "train_iterator", "train_tokenizer", "workdir_tokenizer",
 ]

@@ -25,7 +25,9 @@ class DataConfig:
       task_kwargs: options of the synthetic task (e.g. n_pairs), stored as sorted (key, value) pairs; a dict is
         accepted.
       n_synthetic: number of synthetic documents.
-      tokenizer: path of a SentencePiece .model to use; None trains one on the training documents (cached).
+      tokenizer: path of the tokenizer to use: a SentencePiece model, or a Hugging Face tokenizer.json (a name
+        ending in `.json`; its special ids from the tokenizer_config.json / config.json next to it, see
+        `focal_jax.data.tokenizer`); None trains a SentencePiece model on the training documents (cached).
       vocab_size: vocabulary size of a trained tokenizer (unused when `tokenizer` is given).
       cache_dir: where trained tokenizers are cached; None means ~/.cache/focal_jax.
       seq_len: tokens per packed row.

@@ -2,7 +2,8 @@
 grain batches, sharded by process.
 
 documents (`read_documents`) are split by a hash of their text (`eval_fraction` held out), encoded as
-`bos + tokens + eos` and packed into rows of `seq_len` (`pack`). Training rows go through
+`start + tokens + eos` (start: the bos, or the eos for a tokenizer without bos, e.g. GPT-2 style; see
+`focal_jax.data.tokenizer`) and packed into rows of `seq_len` (`pack`). Training rows go through
 `MapDataset.source -> shuffle(seed) -> repeat() -> process shard -> batch(local_batch)`: an infinite, random-access
 dataset whose element `s` is this process's share of global step `s`, reshuffled every epoch. Process `p` holds
 rows `[p * local, (p + 1) * local)` of each global batch, so concatenating the processes' batches of a step gives
@@ -11,7 +12,6 @@ exactly the single-process batch of that step.
 
 import dataclasses
 import hashlib
-import os
 
 import grain
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from focal_jax.data.config import DataConfig
 from focal_jax.data.packing import PACKED_KEYS, pack
 from focal_jax.data.sources import read_documents
-from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, write_atomically
+from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, copy_tokenizer, load_tokenizer
 
 Batch = dict[str, np.ndarray]
 
@@ -80,8 +80,9 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
       config: the DataConfig.
       global_batch: rows per training step over all processes; must be divisible by `process_count`.
       seed: shuffling seed, in [0, 2**32).
-      workdir: when given, the tokenizer model is also written to WORKDIR/tokenizer.model and loaded from there,
-        so a run directory holds the tokenizer it was trained with.
+      workdir: when given, the tokenizer is also copied into the workdir (`copy_tokenizer`: WORKDIR/tokenizer.model,
+        or WORKDIR/tokenizer.json with its tokenizer_config.json) and loaded from there, so a run directory holds
+        the tokenizer it was trained with (`workdir_tokenizer`).
       process_index, process_count: this process and the number of processes (default: `jax.process_index()`
         and `jax.process_count()`). Every process reads all documents and keeps its share of each batch.
     """
@@ -126,9 +127,10 @@ def train_iterator(data: Data) -> grain.DatasetIterator:
 
 
 def encode_documents(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndarray]:
-    """Documents -> one int32 array `[n_tokens + 2]` per document: bos, the tokens, eos."""
+    """Documents -> one int32 array `[n_tokens + 2]` per document: `tokenizer.start_id` (the bos, or the eos when
+    the tokenizer has no bos), the tokens, eos."""
     ids = tokenizer.encode_batch(documents)
-    return [np.array([tokenizer.bos_id, *doc, tokenizer.eos_id], np.int32) for doc in ids]
+    return [np.array([tokenizer.start_id, *doc, tokenizer.eos_id], np.int32) for doc in ids]
 
 
 def _check_layout(global_batch, seed, process_index, process_count):
@@ -167,12 +169,7 @@ def _tokenizer(config: DataConfig, train_docs: list[str], workdir: str | None) -
         tokenizer = load_tokenizer(config.tokenizer)
     else:
         tokenizer = cached_tokenizer(train_docs, config.vocab_size, config.cache_dir)
-    if workdir is None:
-        return tokenizer
-    path = os.path.join(os.path.expanduser(workdir), "tokenizer.model")
-    with open(tokenizer.path, "rb") as f:
-        write_atomically(path, f.read())
-    return Tokenizer(path)
+    return tokenizer if workdir is None else copy_tokenizer(tokenizer, workdir)
 
 
 def _padded_rows(x: np.ndarray, n: int) -> np.ndarray:

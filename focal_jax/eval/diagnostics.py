@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from focal_jax.data import build_data
+from focal_jax.data import build_data, tokenizer_file
 from focal_jax.nn.attention import FOCUS_KINDS, Attention, record_attention
 from focal_jax.nn.gpt2 import ATTENTION_FIELDS, GPT2
 from focal_jax.nn.llama import Llama
@@ -117,9 +117,10 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
     if batch_size is None:
         batch_size = max(1, run.batch_size * trained // seq_len)
     data_config = dataclasses.replace(run.data, seq_len=seq_len)
-    tokenizer_path = os.path.join(workdir, "tokenizer.model")
-    if os.path.isfile(tokenizer_path):  # the exact tokenizer the run trained with
-        data_config = dataclasses.replace(data_config, tokenizer=tokenizer_path)
+    try:  # the exact tokenizer the run trained with (its workdir copy, of either kind)
+        data_config = dataclasses.replace(data_config, tokenizer=tokenizer_file(workdir))
+    except FileNotFoundError:
+        pass
     data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1)
     model = load_model(workdir)
     return Run(model=model, tokenizer=data.tokenizer, batches=data.eval_batches(n_batches), seq_len=seq_len,

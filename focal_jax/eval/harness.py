@@ -1,8 +1,8 @@
 """An lm-evaluation-harness (`lm_eval`) adapter for focal_jax models: `FocalJaxLM`.
 
-`FocalJaxLM(model, tokenizer)` wraps a focal_jax `Llama` or `GPT2` and a SentencePiece tokenizer
-(`focal_jax.data.tokenizer`); `FocalJaxLM.from_workdir(DIR)` loads a training run's model and tokenizer. It answers
-the three request kinds of the harness:
+`FocalJaxLM(model, tokenizer)` wraps a focal_jax `Llama` or `GPT2` and its tokenizer (`focal_jax.data.tokenizer`:
+SentencePiece or Hugging Face tokenizer.json); `FocalJaxLM.from_workdir(DIR)` loads a training run's model and
+tokenizer. It answers the three request kinds of the harness:
 
 - `loglikelihood`: sum of log p(continuation | context) and whether the continuation is the greedy one. Pairs are
   tokenized as lm_eval's Hugging Face model does (trailing spaces of the context move to the continuation; the
@@ -11,7 +11,8 @@ the three request kinds of the harness:
   segment id 0 (the row's tokens are segment 1, positions 0..n-1), so padding is invisible to attention, to the
   Sinkhorn column sums and to the learned-temperature means: a request scores the same alone or in any batch.
 - `loglikelihood_rolling`: a document's total log-likelihood over lm_eval's disjoint rolling windows of
-  `max_length` tokens (`lm_eval.utils.get_rolling_token_windows`), the first conditioned on the bos token.
+  `max_length` tokens (`lm_eval.utils.get_rolling_token_windows`), the first conditioned on the bos token (the
+  eos for a tokenizer without bos, as training started documents).
 - `generate_until`: greedy decoding (`focal_jax.eval.decode.greedy_decode`: a KV cache where every layer can
   decode with one, the full forward per step otherwise), stopped at the first stop string or after
   `max_gen_toks` tokens; the text is cut before the stop string.
@@ -39,7 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from focal_jax.data.tokenizer import load_tokenizer
+from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.llama import Llama
@@ -140,7 +141,7 @@ def cut_at_stop(text: str, until: list[str]) -> str:
 
 @register_model("focal_jax")
 class FocalJaxLM(TemplateLM):
-    """lm_eval language model over a focal_jax `Llama` / `GPT2` and a SentencePiece `Tokenizer`.
+    """lm_eval language model over a focal_jax `Llama` / `GPT2` and its `Tokenizer`.
 
     Args:
       model: the focal_jax model (its parameters are read at each call, so later in-place updates are seen).
@@ -150,8 +151,9 @@ class FocalJaxLM(TemplateLM):
       max_length: tokens per row (the model's context for scoring; prompt plus generated tokens for generation).
         None: GPT-2's `n_positions`, else 2048.
       max_gen_toks: default number of generated tokens when a request does not set `max_gen_toks`.
-      add_bos_token: whether encoded contexts and generation prompts start with the bos token (focal_jax runs
-        train documents as `[bos, ..., eos]`).
+      add_bos_token: whether encoded contexts and generation prompts start with the document-start token: bos, or
+        eos when the tokenizer has none (`prefix_token_id`; focal_jax runs train documents as
+        `[bos or eos, ..., eos]`).
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, max_length: int | None = None,
@@ -180,23 +182,21 @@ class FocalJaxLM(TemplateLM):
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self._max_length = int(max_length)
         self._max_gen_toks = _check_int("max_gen_toks", max_gen_toks, 1)
-        self.add_bos_token = add_bos_token and tokenizer.bos_id is not None and tokenizer.bos_id >= 0
+        self.add_bos_token = add_bos_token
 
     @classmethod
     def from_workdir(cls, workdir: str, **kwargs) -> "FocalJaxLM":
         """The model of a focal_jax run directory (latest checkpoint, `focal_jax.train.trainer.load_model`) and the
-        tokenizer it was trained with (`WORKDIR/tokenizer.model`). `max_length` defaults to the run's
-        `data.seq_len`; other keyword arguments as the constructor."""
+        tokenizer it was trained with (its workdir copy: `focal_jax.data.tokenizer.workdir_tokenizer`). `max_length`
+        defaults to the run's `data.seq_len`; other keyword arguments as the constructor."""
         from focal_jax.train import checkpoint, trainer  # the training stack only when loading a run
 
         workdir = os.path.abspath(os.path.expanduser(workdir))
-        path = os.path.join(workdir, "tokenizer.model")
-        if not os.path.isfile(path):
-            raise ValueError(f"workdir={workdir!r} holds no tokenizer.model (runs write it at their start)")
+        tokenizer = workdir_tokenizer(workdir)  # FileNotFoundError naming the files when there is none
         _, meta = checkpoint.read_meta(workdir)
         if kwargs.get("max_length") is None:
             kwargs["max_length"] = meta["config"]["data"]["seq_len"]
-        return cls(trainer.load_model(workdir), load_tokenizer(path), **kwargs)
+        return cls(trainer.load_model(workdir), tokenizer, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FocalJaxLM":
@@ -250,9 +250,10 @@ class FocalJaxLM(TemplateLM):
         return str(getattr(self.tokenizer, "path", type(self.tokenizer).__name__))
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """`string` -> token ids, led by bos when `add_special_tokens` (None: the `add_bos_token` setting)."""
+        """`string` -> token ids, led by `prefix_token_id` (bos, or eos without one) when `add_special_tokens`
+        (None: the `add_bos_token` setting)."""
         add_bos = self.add_bos_token if add_special_tokens is None else add_special_tokens and self.add_bos_token
-        return ([self.tokenizer.bos_id] if add_bos else []) + list(self.tokenizer.encode(string))
+        return ([self.prefix_token_id] if add_bos else []) + list(self.tokenizer.encode(string))
 
     def tok_decode(self, tokens: list[int]) -> str:
         """Token ids `[n]` -> text (bos / eos / pad dropped)."""
@@ -339,13 +340,14 @@ class FocalJaxLM(TemplateLM):
 def main(argv=None) -> dict:
     """`python -m focal_jax.eval.harness (--workdir DIR | --hf DIR) --tasks T1,T2 [--num_fewshot N]
     [--batch_size 8] [--max_length L] [--limit N] [--include_path DIR] [--output FILE]`: evaluate a focal_jax run
-    (or a Hugging Face directory as loaded by `focal_jax.convert.hf.from_hf`, with its SentencePiece
-    `tokenizer.model` or `--tokenizer`) on lm_eval tasks, print the results table, and write the results (JSON)."""
+    (or a Hugging Face directory as loaded by `focal_jax.convert.hf.from_hf`, with its `tokenizer.model`, else its
+    `tokenizer.json`, or `--tokenizer`) on lm_eval tasks, print the results table, and write the results (JSON)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.harness", description=main.__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="a focal_jax run directory")
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece model for --hf (default DIR/tokenizer.model)")
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece model or tokenizer.json for --hf "
+                        "(default DIR/tokenizer.model, else DIR/tokenizer.json)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
     parser.add_argument("--num_fewshot", type=int, default=None, help="default: each task's own")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -366,8 +368,7 @@ def main(argv=None) -> dict:
     else:
         from focal_jax.convert.hf import from_hf
 
-        lm = FocalJaxLM(from_hf(args.hf), load_tokenizer(args.tokenizer or os.path.join(args.hf, "tokenizer.model")),
-                        **options)
+        lm = FocalJaxLM(from_hf(args.hf), load_tokenizer(args.tokenizer or tokenizer_file(args.hf)), **options)
     print(f"focal_jax: evaluating {type(lm.model).__name__} (max_length {lm.max_length}, batch {lm.batch_size}) "
           f"on {args.tasks}", flush=True)
     results = lm_eval.simple_evaluate(

@@ -88,9 +88,11 @@ def _check_task(task):
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids `[n]` of a prompt as the model saw documents in training: bos (when the tokenizer has one), text."""
+    """Token ids `[n]` of a prompt as the model saw documents in training: the document-start token (bos, or eos
+    when the tokenizer has no bos: `focal_jax.data.tokenizer`), then the text."""
     bos = getattr(tokenizer, "bos_id", None)
-    return ([bos] if bos is not None and bos >= 0 else []) + list(tokenizer.encode(text))
+    start = bos if bos is not None and bos >= 0 else tokenizer.eos_id
+    return [start] + list(tokenizer.encode(text))
 
 
 def _example_seed(seed: int, task: str, length: int, index: int) -> int:
@@ -298,7 +300,7 @@ def _int_list(text: str) -> list[int]:
 def main(argv=None) -> list[dict]:
     """Command line (see the module docstring): evaluate a run directory's model, print and save the results."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.recall", description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", required=True, help="focal_jax run directory (checkpoint, tokenizer.model)")
+    parser.add_argument("--workdir", required=True, help="focal_jax run directory (checkpoint, tokenizer)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {','.join(TASKS)}")
     parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated target prompt lengths in tokens")
@@ -306,11 +308,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer model (default: WORKDIR/tokenizer.model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
     parser.add_argument("--out", default=None, help="output directory (default: the workdir)")
     args = parser.parse_args(argv)
 
-    from focal_jax.data.tokenizer import load_tokenizer  # the training stack only for the command line
+    from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command line only
     from focal_jax.train.checkpoint import read_meta
     from focal_jax.train.trainer import load_model
 
@@ -319,7 +322,7 @@ def main(argv=None) -> list[dict]:
     try:
         for task in tasks:
             _check_task(task)
-        tokenizer = load_tokenizer(args.tokenizer or os.path.join(workdir, "tokenizer.model"))
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else workdir_tokenizer(workdir)
         step, _ = read_meta(workdir)
         print(f"recall: loading {workdir} (step {step})", flush=True)
         model = load_model(workdir)
