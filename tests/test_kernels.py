@@ -42,8 +42,8 @@ CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head
 }
 
 
-TPU_CASES = ["top-2, segments, GQA, head_dim 64", "more groups than tokens (two bitmask words), top-3",
-             "window 0, sink 3, softcap"]  # the TPU form is slower to interpret: the cases that cover its reads
+TPU_CASES = ["top-2, segments, GQA, head_dim 64", "window 0, sink 3, softcap"]  # the TPU form is slower to
+# interpret: cases that cover its reads (GQA, multi-group ids, segments, sink walks, the band)
 
 
 @pytest.mark.parametrize("name,backend", [(name, "interpret") for name in CASES]
@@ -97,7 +97,7 @@ def test_bf16_inputs_accumulate_in_float32():
 
 
 @pytest.mark.parametrize("window,backend", [(None, "interpret"), (0, "interpret"), (7, "interpret"),
-                                            (100, "interpret"), (None, "mosaic_interpret"), (7, "mosaic_interpret")])
+                                            (100, "interpret"), (7, "mosaic_interpret")])
 def test_dense_and_focal_through_the_kernel(window, backend):
     """No groups: every causal pair (one group) or the local band (no group), against jax.nn.dot_product_attention
     (an outside implementation) and the reference, with segments, GQA and a focal temperature."""
