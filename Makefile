@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo attention-demo test bench gpu-check clean
+.PHONY: demo attention-demo test bench reproduce gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m focal_jax.bench attention
 	$(PY) -m focal_jax.bench train
+
+# The small-scale reproductions of REPRODUCTION.md (about 40 minutes on 2 CPU cores; finished runs are reused).
+reproduce: $(VENV)/.installed
+	$(PY) -m focal_jax.eval.reproduce
 
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). Wheels of

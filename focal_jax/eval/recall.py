@@ -286,7 +286,8 @@ def with_topk(model, topk: int):
         raise ValueError(f"topk={topk!r} needs a Focus model (kind in {FOCUS_KINDS}), this one has kind {kinds}")
     c = configs[0]
     focus = FocusConfig(groups=c.focus_groups, dim=c.focus_dim, window=c.focus_window, tau=c.focus_tau,
-                        iters=c.focus_iters, gate=c.focus_gate, lam=c.focus_lam, topk=topk, causal=c.focus_causal)
+                        iters=c.focus_iters, gate=c.focus_gate, lam=c.focus_lam, topk=topk, causal=c.focus_causal,
+                        assign=c.focus_assign)
     return retrofit(model, focus)
 
 

@@ -26,6 +26,8 @@ CUSTOM_KINDS: dict = {}
 IMPLS = ("xla", "cudnn", "decomposed", "pallas")
 QK_NORMS = (None, "head", "full")
 GATES = ("paper", "log")
+TAU_MODES = ("prefix", "sequence")
+ASSIGNMENTS = ("sinkhorn", "softmax")
 FOCUS_KINDS = ("focus", "focal+focus")
 
 # The list each Attention call appends its record to while `record_attention()` is active (None otherwise).
@@ -119,6 +121,12 @@ class AttentionConfig:
       gate or mask (Gemma-2 style; FOCUS_SPEC OQ-13).
     rope_ntk_factor, rope_trained_len: dynamic NTK scaling of the RoPE base past `rope_trained_len` tokens
       (`layers.dynamic_ntk_theta`, Hugging Face's 'dynamic' rope type); both None (the default) for plain RoPE.
+    tau_mode: the mean of 'focal_learned' (`learned_temperature(mode=...)`, FOCAL_SPEC OQ-F2): 'prefix' (default,
+      causal: the running mean over tokens <= i) | 'sequence' (the paper's literal mean over the whole row: tau_i
+      sees later tokens, a fidelity ablation; such a layer cannot decode with a KV cache).
+    focus_assign: how the Focus kinds turn routing scores into the assignment g: 'sinkhorn' (default, the paper's
+      balanced assignment) | 'softmax' (a softmax over the K scores of each token, no balancing: the collapse
+      baseline of FOCUS_SPEC section 7; pair it with the trainer's `balance_weight`).
     window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
       `0 <= i - j <= window` (Hugging Face's `sliding_window` is window + 1). None = full causal attention.
     """
@@ -146,6 +154,8 @@ class AttentionConfig:
     focus_lam: float = 10.0
     focus_topk: int | None = None
     focus_causal: bool = False
+    focus_assign: str = "sinkhorn"
+    tau_mode: str = "prefix"
     window: int | None = None
     rope_ntk_factor: float | None = None
     rope_trained_len: int | None = None
@@ -169,6 +179,8 @@ class AttentionConfig:
                              f"impl={self.impl!r}")
         _choice("impl", self.impl, IMPLS)
         _choice("focus_gate", self.focus_gate, GATES)
+        _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
+        _choice("tau_mode", self.tau_mode, TAU_MODES)
         for name in ("norm_eps", "focal_t", "focus_tau", "focus_lam"):
             _positive(name, getattr(self, name))
         if self.rope_theta is not None:
@@ -212,14 +224,19 @@ class AttentionConfig:
 def check_decodable(config: AttentionConfig):
     """Raises ValueError unless a layer of `config` can decode token by token with a KV cache.
 
-    Decodable: 'dense', 'focal', 'focal_learned' (its causal prefix mean is a running sum), and hard Focus
-    ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`).
+    Decodable: 'dense', 'focal', 'focal_learned' with `tau_mode='prefix'` (its causal prefix mean is a running
+    sum), and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`,
+    or `focus_assign='softmax'`, whose rows depend on their own token only).
     """
     if config.kind in CUSTOM_KINDS:
         raise ValueError(f"kind={config.kind!r} (registered with register_attention) has no KV-cache form")
+    if config.kind == "focal_learned" and config.tau_mode != "prefix":
+        raise ValueError(f"kind='focal_learned' with tau_mode={config.tau_mode!r} cannot decode with a KV cache: the "
+                         f"whole-sequence mean makes every token's temperature depend on tokens not generated yet; "
+                         f"use tau_mode='prefix' (the causal running mean)")
     if config.kind not in FOCUS_KINDS:
         return
-    if not config.focus_causal:
+    if not config.focus_causal and config.focus_assign == "sinkhorn":
         raise ValueError(f"kind={config.kind!r} with focus_causal=False cannot decode with a KV cache: the paper's "
                          f"Sinkhorn normalises each group's column over the whole sequence, so a token's groups "
                          f"depend on tokens not generated yet; use focus_causal=True (prefix column sums)")
@@ -370,7 +387,7 @@ class Attention(nnx.Module):
             # cached tokens keep the groups they had, and the new rows equal the full-sequence forward's.
             scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
             new["scores"] = all_scores = jax.lax.dynamic_update_slice(cache["scores"], scores, (0, index, 0))
-            g = fa.sinkhorn(all_scores, n_iters=c.focus_iters, causal=True)
+            g = _assign(c, all_scores, causal=True)
             membership = fa.topk_membership(g, c.focus_topk)  # [B, S, K]
             q_membership = jax.lax.dynamic_slice(membership, (0, index, 0), (b, t, c.focus_groups))
             mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership))
@@ -391,7 +408,7 @@ class Attention(nnx.Module):
             return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids,
                                       softcap=c.softcap)
         if c.kind == "focal_learned":
-            tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode="prefix",
+            tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode=c.tau_mode,
                                          bias=self.tau_bias[...], segment_ids=segment_ids)
             if c.impl == "pallas":
                 multiplier = jnp.broadcast_to(1.0 / tau[:, :, None], q.shape[:3])
@@ -399,10 +416,11 @@ class Attention(nnx.Module):
                                           softcap=c.softcap)
             return fa.focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], window=c.window,
                                       segment_ids=segment_ids, softcap=c.softcap)
-        # Focus: route on the attention input, balanced by Sinkhorn, then soft gate or hard top-k mask.
+        # Focus: route on the attention input, balanced by Sinkhorn (or a plain softmax), then soft gate or hard
+        # top-k mask.
         temperature = c.focal_t if c.kind == "focal+focus" else 1.0
         scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
-        g = fa.sinkhorn(scores, n_iters=c.focus_iters, segment_ids=segment_ids, causal=c.focus_causal)
+        g = _assign(c, scores, segment_ids=segment_ids, causal=c.focus_causal)
         if record is not None:
             record["g"] = g
         if c.focus_topk is None:
@@ -412,6 +430,15 @@ class Attention(nnx.Module):
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
                                          segment_ids=segment_ids, softcap=c.softcap,
                                          impl=c.impl if c.impl in ("decomposed", "pallas") else "reference")
+
+
+def _assign(config: AttentionConfig, scores, *, segment_ids=None, causal=False):
+    """The Focus assignment g `[B, T, K]` (float32, rows summing to 1) of routing scores `[B, T, K]`: Sinkhorn
+    (segment- and causality-aware) or, for `focus_assign='softmax'`, a softmax over each token's K scores (which
+    depends on the token alone, so segments and causality do not matter)."""
+    if config.focus_assign == "softmax":
+        return jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+    return fa.sinkhorn(scores, n_iters=config.focus_iters, segment_ids=segment_ids, causal=causal)
 
 
 def _cudnn_attention(q, k, v, temperature, window, segment_ids):

@@ -62,7 +62,8 @@ class FocusConfig:
     """Focus attention (arXiv 2604.03260) to retrofit: `groups` centroids K of dimension `dim` (d_g), local
     `window` w (key j is local to query i iff 0 <= i - j <= w), routing temperature `tau`, Sinkhorn `iters`,
     soft `gate` ('paper' | 'log') with sharpness `lam`, hard top-k membership when `topk` is set (None: soft gate),
-    `causal` routing (prefix column sums). Fields mean `AttentionConfig.focus_*`; checked at construction."""
+    `causal` routing (prefix column sums), `assign` ('sinkhorn', the paper's; 'softmax': the unbalanced collapse
+    baseline). Fields mean `AttentionConfig.focus_*`; checked at construction."""
 
     groups: int
     dim: int
@@ -73,6 +74,7 @@ class FocusConfig:
     lam: float = 10.0
     topk: int | None = None
     causal: bool = False
+    assign: str = "sinkhorn"
 
     def __post_init__(self):
         renames = {f"focus_{f.name}": f.name for f in dataclasses.fields(self)}
@@ -87,12 +89,14 @@ class FocusConfig:
 class FocalConfig:
     """Focal attention (arXiv 2511.06818) to retrofit: a constant temperature `t` (logits `q.k * scale / t`;
     t < 1 sharpens, t = 1 is dense), or `learned=True`: per-layer `Temperature` parameters with tau clipped to
-    [tau_min, tau_max] (causal prefix mean). With `learned=True`, `t` must be left unset (it becomes None)."""
+    [tau_min, tau_max], averaged as `tau_mode` says ('prefix': causal running mean, the default; 'sequence': the
+    paper's whole-row mean). With `learned=True`, `t` must be left unset (it becomes None)."""
 
     t: float | None = 0.4
     learned: bool = False
     tau_min: float = 5.0
     tau_max: float = 10.0
+    tau_mode: str = "prefix"
 
     def __post_init__(self):
         if not isinstance(self.learned, bool):
@@ -102,8 +106,12 @@ class FocalConfig:
                 raise ValueError(f"FocalConfig: t={self.t!r} is the constant temperature; learned=True learns it "
                                  f"within [tau_min, tau_max], so leave t unset")
             object.__setattr__(self, "t", None)
-            _validate("FocalConfig", dict(kind="focal_learned", tau_min=self.tau_min, tau_max=self.tau_max), {})
+            _validate("FocalConfig", dict(kind="focal_learned", tau_min=self.tau_min, tau_max=self.tau_max,
+                                          tau_mode=self.tau_mode), {})
         else:
+            if self.tau_mode != "prefix":
+                raise ValueError(f"FocalConfig: tau_mode={self.tau_mode!r} is for the learned temperature; set "
+                                 f"learned=True or leave tau_mode unset")
             if self.t is None:
                 raise ValueError("FocalConfig: t=None needs learned=True (give a constant temperature t > 0, or "
                                  "learned=True)")
@@ -112,7 +120,7 @@ class FocalConfig:
 
     def attention_fields(self) -> dict:
         if self.learned:
-            return {"tau_min": self.tau_min, "tau_max": self.tau_max}
+            return {"tau_min": self.tau_min, "tau_max": self.tau_max, "tau_mode": self.tau_mode}
         return {"focal_t": self.t}
 
 
@@ -168,8 +176,13 @@ def _updated_model_config(model, changes: dict):
         config = dataclasses.replace(model.config, attn={**dict(model.config.attn), **changes})
         return config, config.attention
     if isinstance(model, GPT2):
-        unknown = set(changes) - set(ATTENTION_FIELDS)
-        assert not unknown, unknown  # every retrofit field is a GPT2Config attention field
+        # GPT2Config carries the paper's attention fields only: a field it lacks may only take its default.
+        defaults = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
+        for name in sorted(set(changes) - set(ATTENTION_FIELDS)):
+            if changes[name] != defaults[name]:
+                raise ValueError(f"{name}={changes[name]!r} is not available for GPT-2 models (GPT2Config has no "
+                                 f"{name} field; only the default {defaults[name]!r}); use a LLaMA-family model")
+        changes = {k: v for k, v in changes.items() if k in ATTENTION_FIELDS}
         config = dataclasses.replace(model.config, **changes)
         return config, config.attention_config()
     raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")

@@ -2,7 +2,8 @@
 frozen dataclasses the code uses (so that an unknown or misspelt key fails at once, with its name).
 
     seed, total_steps, batch_size (global sequences per step), log_every, eval_every, eval_batches, ckpt_every,
-    keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, retrofit {focus, focal, lora},
+    keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, balance_weight (the Focus
+    balance loss, `focal_jax.train.trainer.balance_loss`; 0 = off), retrofit {focus, focal, lora},
     model {family, size, <LlamaConfig / GPT2Config fields>}, data {DataConfig fields}, optim {OptimConfig fields}
 """
 
@@ -39,6 +40,8 @@ def default_config() -> ml_collections.ConfigDict:
     config.compute_dtype = "bfloat16"  # activations and matmuls; parameters and optimizer state in param_dtype
     config.param_dtype = "float32"
     config.init_from = ml_collections.FieldReference(None, field_type=str)  # a focal_jax workdir or HF directory
+    # Weight of the auxiliary group-balance loss of Focus layers (trainer.balance_loss), added to the LM loss; 0 = off.
+    config.balance_weight = 0.0
     # Each None or a dict of FocusConfig / FocalConfig / LoRAConfig fields, e.g. lora = {"rank": 4, "alpha": 8.0,
     # "targets": "qkvo"}; applied in the order focal, focus, lora.
     config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None, "lora": None})
@@ -98,6 +101,7 @@ class RunConfig:
     compute_dtype: str
     param_dtype: str
     init_from: str | None
+    balance_weight: float
     family: str
     model: LlamaConfig | GPT2Config | None  # None for family 'hf' (the architecture comes from init_from)
     retrofit: tuple  # FocalConfig / FocusConfig / LoRAConfig, applied in this order
@@ -142,6 +146,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     for name in ("compute_dtype", "param_dtype"):
         if merged[name] not in DTYPES:
             raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
+    weight = merged["balance_weight"]
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ValueError(f"balance_weight must be a number >= 0, got balance_weight={weight!r}")
     mesh = _as_dict(merged["mesh"])
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     retrofit_section = _as_dict(merged["retrofit"])
@@ -165,7 +172,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         log_every=merged["log_every"], eval_every=merged["eval_every"], eval_batches=merged["eval_batches"],
         ckpt_every=merged["ckpt_every"], keep_checkpoints=merged["keep_checkpoints"], mesh=mesh,
         compute_dtype=merged["compute_dtype"], param_dtype=merged["param_dtype"],
-        init_from=os.path.expanduser(init_from) if init_from else None, family=family, model=model,
+        init_from=os.path.expanduser(init_from) if init_from else None, balance_weight=float(weight), family=family, model=model,
         retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
         optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config)
 
@@ -173,6 +180,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 # Keys that may change when a run resumes from its own workdir (everything else must match the stored config).
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
                      "mesh")
+# Top-level keys added after runs were stored: a stored config without one equals the key at this default.
+ADDED_KEYS = {"balance_weight": 0.0}
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
@@ -182,6 +191,9 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         if not prefix and key in RESUMABLE_CHANGES:
             continue
         a, b = stored.get(key), current.get(key)
+        if not prefix and key in ADDED_KEYS:
+            a = ADDED_KEYS[key] if key not in stored else a
+            b = ADDED_KEYS[key] if key not in current else b
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_differences(a, b, f"{prefix}{key}.")
         elif a != b:

@@ -5,6 +5,7 @@ The step is `nnx.split` -> `jax.value_and_grad` -> `jax.jit` on pure pytrees (th
 dict, the frozen ones as another), with `nnx.merge` inside the loss, so NNX API changes cannot reach it.
 """
 
+import dataclasses
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from flax import nnx
 from focal_jax.convert.hf import from_hf
 from focal_jax.data import build_data, train_iterator
 from focal_jax.nn.gpt2 import GPT2
+from focal_jax.nn.attention import record_attention
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
@@ -135,36 +137,110 @@ def masked_nll(logits, targets, loss_mask):
     return jnp.sum(nll * loss_mask), jnp.sum(loss_mask)
 
 
-def make_steps(graphdef, tx, compute_dtype):
-    """`(train_step, eval_step)`, pure functions of (trainable dict, opt_state, frozen dict, batch)."""
-    def loss_fn(trainable, frozen, batch):
+def real_token_mask(batch):
+    """float32 `[B, T]`: 1 for real tokens, 0 for padding (segment id 0; all real without segment ids)."""
+    segment_ids = batch.get("segment_ids")
+    if segment_ids is None:
+        return jnp.ones(batch["inputs"].shape, jnp.float32)
+    return (segment_ids != 0).astype(jnp.float32)
+
+
+def balance_loss(g, valid):
+    """The auxiliary group-balance loss of one Focus layer (the Switch Transformer load-balancing form):
+    `K * sum_k f_k * P_k`, where over the real tokens of the batch `f_k` is the share whose top group (argmax of g)
+    is k (no gradient) and `P_k` the mean assignment probability of group k. It is 1 at perfect balance and K when
+    one group takes every token; its gradient lowers the probability of over-full groups.
+
+    g: `[B, T, K]` assignment rows (summing to 1); valid: `[B, T]`, 1 for real tokens, 0 for padding. Returns a
+    float32 scalar."""
+    g = g.astype(jnp.float32)
+    valid = valid.astype(jnp.float32)[..., None]
+    n = jnp.maximum(jnp.sum(valid), 1.0)
+    top = jax.nn.one_hot(jnp.argmax(g, axis=-1), g.shape[-1], dtype=jnp.float32)
+    f = jax.lax.stop_gradient(jnp.sum(top * valid, axis=(0, 1)) / n)
+    p = jnp.sum(g * valid, axis=(0, 1)) / n
+    return g.shape[-1] * jnp.sum(f * p)
+
+
+def group_counts(records, valid):
+    """int32 `[L, K]`: per Focus layer recorded by `record_attention`, the real tokens whose top group is each k;
+    None when no layer routes."""
+    routed = [r["g"] for r in records if "g" in r]
+    if not routed:
+        return None
+    return jnp.stack([jnp.sum(jax.nn.one_hot(jnp.argmax(g, -1), g.shape[-1], dtype=jnp.int32)
+                              * valid.astype(jnp.int32)[..., None], axis=(0, 1)) for g in routed])
+
+
+def _without_remat(model):
+    """`model` with block rematerialisation off (so that `record_attention` sees each layer's values in the outer
+    trace); the parameters are the same."""
+    if getattr(model.config, "remat", False):
+        model.config = dataclasses.replace(model.config, remat=False)
+    return model
+
+
+def make_steps(graphdef, tx, compute_dtype, *, balance_weight: float = 0.0):
+    """`(train_step, eval_step)`, pure functions of (trainable dict, opt_state, frozen dict, batch).
+
+    balance_weight: weight of the mean over Focus layers of `balance_loss`, added to the LM loss (0: off; then the
+    step is exactly the plain one). With a weight > 0 the forward pass runs without rematerialisation (the
+    assignments are read with `record_attention`), and the train metrics hold `balance_loss`.
+    eval_step returns `(nll sum, target count, group counts [L, K] or None)`: the counts (argmax group of the real
+    tokens, per Focus layer) give the eval records' dominance.
+    """
+    def forward(trainable, frozen, batch, record):
         model = nnx.merge(graphdef, cast_floats(trainable, compute_dtype), cast_floats(frozen, compute_dtype))
-        logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+        if not record:
+            return model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"]), []
+        with record_attention() as records:
+            logits = _without_remat(model)(batch["inputs"], positions=batch["positions"],
+                                           segment_ids=batch["segment_ids"])
+        return logits, records
+
+    def loss_fn(trainable, frozen, batch):
+        logits, records = forward(trainable, frozen, batch, record=balance_weight > 0)
         total, count = masked_nll(logits, batch["targets"], batch["loss_mask"])
-        return total / jnp.maximum(count, 1.0), count
+        loss = total / jnp.maximum(count, 1.0)
+        aux = {"tokens": count}
+        routed = [r["g"] for r in records if "g" in r]
+        if routed:
+            aux["balance_loss"] = jnp.mean(jnp.stack([balance_loss(g, real_token_mask(batch)) for g in routed]))
+            return loss + balance_weight * aux["balance_loss"], (loss, aux)
+        return loss, (loss, aux)
 
     def train_step(trainable, opt_state, frozen, batch):
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch)
+        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch)
         updates, opt_state = tx.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return trainable, opt_state, metrics
 
     def eval_step(trainable, frozen, batch):
-        loss, count = loss_fn(trainable, frozen, batch)
-        return loss * count, count
+        logits, records = forward(trainable, frozen, batch, record=True)
+        total, count = masked_nll(logits, batch["targets"], batch["loss_mask"])
+        return total, count, group_counts(records, real_token_mask(batch))
 
     return train_step, eval_step
 
 
 def evaluate(eval_step, trainable, frozen, batches, mesh) -> dict:
-    """Held-out loss (mean over target tokens) and perplexity."""
-    total, count = 0.0, 0.0
+    """Held-out loss (mean over target tokens) and perplexity; for Focus models also `dominance` (share of real
+    tokens in the largest group, argmax of g, mean over layers; 1/K is perfect balance) and `dominance_max` (the
+    worst layer)."""
+    total, count, counts = 0.0, 0.0, None
     for batch in batches:
-        t, c = eval_step(trainable, frozen, shard_batch(batch, mesh))
+        t, c, n = eval_step(trainable, frozen, shard_batch(batch, mesh))
         total, count = total + float(t), count + float(c)
+        if n is not None:
+            n = np.asarray(jax.device_get(n), np.int64)
+            counts = n if counts is None else counts + n
     loss = total / max(count, 1.0)
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "tokens": count}
+    result = {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), "tokens": count}
+    if counts is not None:
+        dominance = counts.max(axis=1) / np.maximum(counts.sum(axis=1), 1)
+        result.update(dominance=float(dominance.mean()), dominance_max=float(dominance.max()))
+    return result
 
 
 class StopSignal:
@@ -258,7 +334,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
             "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable)}
 
     # ---------------------------------------------------------------- Compiled steps
-    train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype])
+    train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype], balance_weight=run.balance_weight)
     train_step = jax.jit(train_step, donate_argnums=(0, 1),
                          out_shardings=(trainable_sharding, opt_sharding, None))
     eval_step = jax.jit(eval_step)

@@ -1,0 +1,159 @@
+"""The reproduction features: learned-temperature mean mode (prefix / sequence), softmax group assignment, the
+balance loss, and dominance in the trainer's eval records."""
+
+import dataclasses
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from focal_jax.nn.attention import Attention, AttentionConfig, check_decodable, record_attention
+from focal_jax.nn.llama import Llama, focal_config
+from focal_jax.nn.retrofit import FocalConfig, FocusConfig, retrofit
+from focal_jax.train import train
+from focal_jax.train.config import config_differences
+from focal_jax.train.metrics import read_metrics
+from focal_jax.train.trainer import balance_loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _llama(**attn):
+    return Llama(focal_config("tiny", vocab_size=64, attn=attn), rngs=nnx.Rngs(0))
+
+
+def _learned_model(mode):
+    model = _llama(kind="focal_learned", tau_mode=mode)
+    # A non-zero w_tau, so that tau varies with the tokens (it starts at zero).
+    for layer in model.layers:
+        w = layer.self_attn.w_tau
+        w[...] = 2.0 * jax.random.normal(jax.random.key(1), w[...].shape)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["prefix", "sequence"])
+def test_tau_mode_causality(mode):
+    """FOCAL_SPEC §10: perturbing tokens after position i leaves outputs <= i unchanged in prefix mode; the
+    paper's sequence mean changes them (the leak)."""
+    model = _learned_model(mode)
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 64)
+    i = 7
+    perturbed = tokens.at[:, i + 1:].set((tokens[:, i + 1:] + 17) % 64)
+    a, b = model(tokens), model(perturbed)
+    diff = float(jnp.max(jnp.abs(a[:, :i + 1] - b[:, :i + 1])))
+    if mode == "prefix":
+        assert diff < 1e-5
+    else:
+        assert diff > 1e-4
+    assert float(jnp.max(jnp.abs(a[:, i + 1:] - b[:, i + 1:]))) > 1e-4  # the perturbation does reach later outputs
+
+
+def test_sequence_mode_cannot_decode_and_is_a_retrofit_option():
+    config = AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focal_learned",
+                             tau_mode="sequence")
+    with pytest.raises(ValueError, match="tau_mode='sequence'"):
+        check_decodable(config)
+    check_decodable(dataclasses.replace(config, tau_mode="prefix"))
+    with pytest.raises(ValueError, match="tau_mode='window'"):
+        dataclasses.replace(config, tau_mode="window")
+    model = retrofit(_llama(), FocalConfig(learned=True, tau_mode="sequence"))
+    assert {layer.self_attn.config.tau_mode for layer in model.layers} == {"sequence"}
+    with pytest.raises(ValueError, match="tau_mode"):
+        FocalConfig(t=0.4, tau_mode="sequence")
+
+
+def test_softmax_assignment_rows_are_the_softmax_of_the_scores():
+    config = AttentionConfig(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
+                             focus_dim=8, focus_window=2, focus_assign="softmax")
+    layer = Attention(config, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (2, 12, 16))
+    with record_attention() as records:
+        layer(x, positions=jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    g = np.asarray(records[0]["g"])
+    # Independent reference: cosine of the projected token and each centroid, / tau, softmax over groups (numpy).
+    h = np.asarray(x) @ np.asarray(layer.w_g[...])
+    c = np.asarray(layer.centroids[...])
+    cos = (h / np.linalg.norm(h, axis=-1, keepdims=True)) @ (c / np.linalg.norm(c, axis=-1, keepdims=True)).T
+    logits = cos / config.focus_tau
+    expected = np.exp(logits - logits.max(-1, keepdims=True))
+    expected /= expected.sum(-1, keepdims=True)
+    np.testing.assert_allclose(g.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(g, expected, atol=2e-5)
+    # Sinkhorn balances the columns; the softmax does not (it equals the softmax, not a balanced matrix).
+    sinkhorn = dataclasses.replace(config, focus_assign="sinkhorn")
+    with record_attention() as records:
+        layer.config = sinkhorn
+        layer(x, positions=jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    assert not np.allclose(np.asarray(records[0]["g"]), expected, atol=1e-3)
+    with pytest.raises(ValueError, match="focus_assign='hard'"):
+        dataclasses.replace(config, focus_assign="hard")
+
+
+def test_softmax_focus_decodes_without_causal_routing():
+    config = AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focus", focus_topk=1,
+                             focus_assign="softmax")
+    check_decodable(config)  # its rows depend on their own token only
+    with pytest.raises(ValueError, match="focus_causal=False"):
+        check_decodable(dataclasses.replace(config, focus_assign="sinkhorn"))
+
+
+def test_balance_loss_equals_a_numpy_computation():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 9, 4)) * 3
+    g = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    valid = np.ones((2, 9))
+    valid[1, 6:] = 0  # padding
+    total, f, p = valid.sum(), np.zeros(4), np.zeros(4)
+    for b in range(2):
+        for t in range(9):
+            if valid[b, t]:
+                f[np.argmax(g[b, t])] += 1 / total
+                p += g[b, t] / total
+    expected = 4 * np.sum(f * p)
+    np.testing.assert_allclose(float(balance_loss(jnp.asarray(g), jnp.asarray(valid))), expected, rtol=1e-5)
+    # Bounds of the form: 1 at perfect balance (a uniform one-hot split), K when one group holds every token.
+    even = np.eye(4)[np.arange(8) % 4][None]
+    np.testing.assert_allclose(float(balance_loss(jnp.asarray(even), jnp.ones((1, 8)))), 1.0, rtol=1e-6)
+    collapsed = np.eye(4)[np.zeros(8, int)][None]
+    np.testing.assert_allclose(float(balance_loss(jnp.asarray(collapsed), jnp.ones((1, 8)))), 4.0, rtol=1e-6)
+
+
+def _quickstart_runlocal():
+    spec = importlib.util.spec_from_file_location("quickstart", os.path.join(ROOT, "experiments", "quickstart.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("runlocal")
+
+
+def test_two_steps_with_balance_loss_log_dominance(tmp_path):
+    config = _quickstart_runlocal()
+    config.model.attn = {"kind": "focus", "focus_groups": 4, "focus_dim": 8, "focus_window": 8,
+                         "focus_assign": "softmax"}
+    config.model.remat = True  # the trainer turns it off where it records the assignments
+    config.data.cache_dir = str(tmp_path / "tok")
+    config.update(total_steps=2, eval_every=2, eval_batches=1, batch_size=8, balance_weight=0.5)
+    train(config, str(tmp_path / "run"))
+    records = read_metrics(str(tmp_path / "run"))
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert len(train_records) == 2 and all(1.0 <= r["balance_loss"] <= 4.0 for r in train_records)
+    assert all(np.isfinite(r["loss"]) for r in train_records)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 1 and 0.25 <= evals[0]["dominance"] <= evals[0]["dominance_max"] <= 1.0
+
+
+def test_balance_weight_key_is_checked_and_old_configs_resume():
+    assert config_differences({"seed": 0}, {"seed": 0, "balance_weight": 0.0}) == []
+    assert config_differences({"seed": 0}, {"seed": 0, "balance_weight": 0.1}) != []
+    config = _quickstart_runlocal()
+    config.balance_weight = -1.0
+    with pytest.raises(ValueError, match="balance_weight=-1.0"):
+        train(config, "/nonexistent/never_created")
+
+
+def test_focus_retrofit_assign_option():
+    model = retrofit(_llama(), FocusConfig(groups=4, dim=8, window=4, assign="softmax"))
+    assert {layer.self_attn.config.focus_assign for layer in model.layers} == {"softmax"}
