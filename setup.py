@@ -34,11 +34,13 @@ setup(
             "transformers>=4.50",
             "safetensors>=0.4",
             "lm_eval>=0.4.13",
+            "datasets>=2.16",  # test_eval_helmet: HELMET's sampling, as `datasets` shuffles
+            "rouge_score>=0.1.2",  # focal_jax.eval.helmet's ROUGE-L (infbench_qa)
             "nbclient>=0.10",  # the notebooks run headless in the tests
             "nbformat>=5.9",
             "ipykernel>=6.29",
         ],
-        "eval": ["lm_eval>=0.4.13"],
+        "eval": ["lm_eval>=0.4.13", "rouge_score>=0.1.2"],
         "gpu": ["jax[cuda]>=0.10.2,<0.12", "jax-triton>=0.3"],
         "notebooks": ["jupyter", "ipykernel"],
     },

@@ -60,13 +60,14 @@ def batch_size(batch_tokens: int, seq_len: int) -> int:
 
 def set_data(config: ml_collections.ConfigDict, pattern: str) -> ml_collections.ConfigDict:
     """Read the training documents from the files matching `pattern` (a glob; the source type from its ending:
-    .txt one document per file, .jsonl / .parquet the 'text' field or column, .array_record); '' keeps the
-    builtin corpus."""
+    .txt one document per file, .jsonl / .parquet the 'text' field or column, .array_record), streamed
+    (`data.streaming`: read lazily while training, as the papers' corpora need; `--config.data.streaming=False`
+    reads them into memory instead); '' keeps the builtin corpus."""
     if pattern:
         ending = next((e for e in DATA_SOURCES if pattern.endswith(e)), None)
         if ending is None:
             raise ValueError(f"config argument data={pattern!r} must end in one of {tuple(DATA_SOURCES)}")
-        config.data.update(source=DATA_SOURCES[ending], paths=(pattern,))
+        config.data.update(source=DATA_SOURCES[ending], paths=(pattern,), streaming=True)
     return config
 
 
@@ -199,7 +200,8 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict 
     """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings and the
     RoPE theta) or a tiny GPT-2, or `model` if given (the model section of a run that starts from another run: that
     run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus window (of a
-    retrofit or of the model's attention) shrinks to 16 so that the 64-token sequences reach past it."""
+    retrofit or of the model's attention) and a retrofit's sliding window (`retrofit.window`) shrink to 16 so that
+    the 64-token sequences reach past them."""
     if model is None:
         model = config.model.to_dict()
         if model.get("family", "llama") == "llama":
@@ -213,6 +215,8 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict 
     config.model = ml_collections.ConfigDict(model)
     if config.retrofit.get("focus"):
         config.retrofit.focus.window = min(config.retrofit.focus.get("window", 128), 16)
+    if config.retrofit.get("window") is not None:
+        config.retrofit.window = min(config.retrofit.window, 16)
     config.data.update(vocab_size=512, seq_len=64)
     config.batch_size = 4
     config.total_steps = steps

@@ -22,10 +22,21 @@ JSON key-value) at 4K to 32K:
     python -m focal_jax.eval.perplexity --workdir $RUN --seq-len 65536 --rope-ntk-factor 2.0
     python -m focal_jax.eval.recall --workdir $RUN --tasks needle,needle_multikey,frequent_words,json_kv \\
         --lengths 4096,8192,16384,32768
+    python -m focal_jax.eval.recall --workdir $RUN --tasks needle,needle_multikey,frequent_words,json_kv \\
+        --lengths 65536 --rope-ntk-factor 2.0 --out $RUN/recall_64k
   done
 
-Not expressible yet: the recall suite at 64K (it has no dynamic NTK option) and the HELMET groups (Figures 5 to 7:
-ICL, long-document QA, RAG, re-ranking, citations), for which there is no evaluator here.
+HELMET (Figures 5 to 7: ICL, RAG, re-ranking, recall, long-document QA, at 4K to 64K) from HELMET's data release
+downloaded to /data/helmet (focal_jax/eval/HARNESS.md); citations and summaries need an NLI model or a GPT-4o judge
+and are not run:
+
+  for variant in baseline focal; do
+    RUN=/runs/focal_long/$variant
+    python -m focal_jax.eval.helmet --workdir $RUN --data /data/helmet --datasets recall,rag,rerank,icl,longqa \\
+        --lengths 4096,8192,16384,32768 --out $RUN/helmet.json
+    python -m focal_jax.eval.helmet --workdir $RUN --data /data/helmet --datasets recall,rag,rerank,icl,longqa \\
+        --lengths 65536 --rope-ntk-factor 2.0 --out $RUN/helmet_64k.json
+  done
 
 Where the paper is silent, we chose (FOCAL_SPEC.md OQ-F10): the paper's optimizer with peak LR 2e-5 (the 1e-5 to
 5e-5 range; 2e-5 is Xiong et al.'s, whose theta change the paper follows), 200 warmup steps, cosine to 10%; the

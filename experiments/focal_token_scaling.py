@@ -18,9 +18,17 @@ Table 1 is the LM-eval average of the final checkpoints (the seven tasks, zero-s
   done
 
 Figure 3's loss curve is each run's own held-out loss, logged every 5000 steps (10.5B tokens; WORKDIR/metrics.jsonl);
-its accuracy curve needs the kept checkpoints (steps 10K ... 150K; 100K steps = 210B tokens) evaluated one by one,
-which the evaluation commands cannot yet do (they load the latest checkpoint). The baseline and focal runs are the
-starting points of `focal_adapt.py` and `focal_long_context.py`.
+its accuracy curve evaluates the kept checkpoints one by one (steps 10K ... 150K; 100K steps = 210B tokens):
+
+  for variant in baseline focal learned; do
+    for step in $(seq 10000 10000 150000); do
+      python -m focal_jax.eval.harness --workdir /runs/focal_tokens/$variant --step $step --num_fewshot 0 \\
+          --tasks arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,winogrande \\
+          --output /runs/focal_tokens/$variant/lm_eval_$step.json
+    done
+  done
+
+The baseline and focal runs are the starting points of `focal_adapt.py` and `focal_long_context.py`.
 
 Where the paper is silent (section 3.3 does not restate them), we chose: 2000 warmup steps and a cosine to 10% of the
 peak, as in section 3.1; the text's "300B" is 315B (section 8, item 3). Data, tokenizer, learned-tau form and

@@ -50,9 +50,6 @@ weight decay, batch 8; that Table 5 used the two-phase protocol (inferred in sec
 tokenizer are phase 1's unless `data=` is given. The data names: PG-19 (one book per .txt file), WikiText-103 and
 OpenWebText (parquet files with a 'text' column).
 
-Not runnable yet: phase 2 after a phase 1 on a Hugging Face directory needs the trainer to rebuild that base
-(`init_from` of a run whose own base is a Hugging Face directory is refused); phase 2 runs from focal_jax bases.
-
 Arguments: init_from (attn=focus: the phase-1 `focus_retrofit.py` workdir; attn=dense: a focal_jax base run), hf (a
 Hugging Face directory, attn=dense only), attn (focus | dense), steps, data (a glob of training files), runlocal.
 """
@@ -92,11 +89,10 @@ def get_config(arg=None):
         if arg.attn == "dense" and focus:
             raise ValueError(f"attn=dense fine-tunes a base model; init_from={arg.init_from!r} is a Focus retrofit "
                              f"run: give its base ({base.get('init_from')!r})")
-        if base["model"].get("family") == "hf":
-            raise ValueError(f"init_from={arg.init_from!r} was trained from the Hugging Face directory "
-                             f"{base.get('init_from')!r}; the trainer cannot yet start a run from such a run")
-        if focus:
+        if focus and base["model"].get("family") != "hf":
             config.model = with_focus(base["model"], focus)
+        # A phase 1 on a Hugging Face directory (family 'hf') has no model section to change: the trainer rebuilds
+        # that run's whole model (its base, its Focus retrofit, its trained centroids) from init_from.
     config.optim.update(trainable="all", lr=5e-5, warmup_steps=100, weight_decay=0.0)
     common.set_data(config, arg.data)
     config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)

@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
 from focal_jax.attention.decomposed import _groups_below, _routing, _with_dummy_row
+from focal_jax.kernels.partition import per_shard
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
 TOKEN, GROUP, SEGMENT = 0, 1, 2  # columns of set A's ids
@@ -398,6 +399,16 @@ class _Block:
         return self.ref[tuple(w if i == slice(None) else i for w, i in zip(self.window, index))]
 
 
+class _OneRow:
+    """A table block `[1, n]` read as the `[n]` row it holds."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def __getitem__(self, index):
+        return self.ref[0, index]
+
+
 def _walk(start, stop, step, carry, walked):
     """`carry = step(j, blocks, carry)` for j in `[start, stop)`, `blocks` the block-j refs of the `walked` operands.
     GPU: views of the whole arrays. TPU: double buffering, block j + 1's copies start before block j is used."""
@@ -447,6 +458,10 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
     a `block` reach it as `_Walked` with blocks of `walk_rows`. Returns the outputs."""
     tpu = backend in TPU_BACKENDS
     walked = [op.block is None and op.layout != "table" for op in inputs]
+    # Mosaic wants a block's last two dimensions tiled by (8, 128) or spanning the array: a per-row table [B, n]
+    # (whose block is one row) travels as [B, 1, n], and the kernel reads it through `_OneRow`.
+    one_row = [tpu and op.layout == "table" and op.array.ndim == 2 for op in inputs]
+    inputs = [op._replace(array=op.array[:, None]) if r else op for op, r in zip(inputs, one_row)]
     scratch = []
     if tpu:
         blocks = [(op.array.shape[1], walk_rows) if op.layout == "row" else (walk_rows, op.array.shape[-1])
@@ -462,9 +477,9 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
         buffers, semaphores = iter(scratch_refs[:n_walked]), iter(scratch_refs[n_walked:])
         b, h = pl.program_id(0), pl.program_id(1)
         args = []
-        for op, ref, w in zip(inputs, in_refs, walked):
+        for op, ref, w, r in zip(inputs, in_refs, walked, one_row):
             if not w:
-                args.append(ref)
+                args.append(_OneRow(ref) if r else ref)
             elif not tpu:
                 args.append(_Walked(ref, op.layout, walk_rows))
             else:
@@ -667,7 +682,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
-                        block_size=128, band_block_size=None, backend=None, _sets=(True, True)):
+                        block_size=128, band_block_size=None, backend=None, mesh=None, _sets=(True, True)):
     """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
@@ -676,6 +691,13 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     `block_size`: set A's tile (entries); `band_block_size`: set B's tile (tokens; default 32 on GPU, small because
     the band needs only `window + 1` keys per query and a tile of b queries reads `b + window` keys; 128 on TPU,
     whose tiles are 128 wide). `backend`: one of `BACKENDS`; default `default_backend()`.
+
+    Multi-device: under a mesh (`mesh`, or by default the one of a `jax.set_mesh(mesh)` context), the kernels run
+    per shard through `shard_map`, the batch split over the mesh's 'data' / 'fsdp' axes and the heads over
+    'tensor' (a `pallas_call` is opaque to XLA's partitioner, which would otherwise gather the operands and run
+    the whole batch on every device). An axis that does not divide its dimension is not split: heads that the
+    'tensor' size does not divide are replicated over it. See `focal_jax.kernels.partition`. Without a mesh
+    (or with all axes of size 1) nothing changes.
     """
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
@@ -692,12 +714,17 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     q = (q.astype(jnp.float32) * multiplier).astype(q.dtype)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
-    p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size))(membership, segment_ids)
-    return _attention(q, k, v, p, Settings(block_size, band_block_size, window, sink, softcap, t, backend, *_sets))
+    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, *_sets)
+
+    def kernel(q, k, v, membership, segment_ids):
+        p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size))(membership, segment_ids)
+        return _attention(q, k, v, p, settings)
+
+    return per_shard(kernel, q, k, v, (membership, segment_ids), mesh=mesh)
 
 
 def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, softcap=None, block_size=128,
-                       band_block_size=None, backend=None):
+                       band_block_size=None, backend=None, mesh=None):
     """Causal dense or focal attention (no groups) through the same kernels: `window=None` puts every token in one
     group (set A only: every causal pair, full blocks without the element mask); a `window` w puts no token in any
     group (set B only: the local band `0 <= i - j <= w`). Shapes and arguments as `focus_sparse_pallas`."""
@@ -705,5 +732,5 @@ def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, so
     membership = jnp.full((b, t, 1), window is None)
     return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=0 if window is None else window,
                                segment_ids=segment_ids, softcap=softcap, block_size=block_size,
-                               band_block_size=band_block_size, backend=backend,
+                               band_block_size=band_block_size, backend=backend, mesh=mesh,
                                _sets=(window is None, window is not None))

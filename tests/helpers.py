@@ -23,3 +23,15 @@ def assert_close(x, y, atol=1e-5, what=""):
     assert x.shape == y.shape, (what, x.shape, y.shape)
     err = float(np.max(np.abs(x - y))) if x.size else 0.0
     assert err < atol, f"{what}: max abs err {err:.3g} >= {atol:.1g}"
+
+
+def lowering_target(platform, shape=(1, 1, 1), axes=("data", "fsdp", "tensor")):
+    """A context for `jit(f).trace(...).lower(lowering_platforms=(platform,))` without such a device: an abstract
+    mesh of `shape` (no devices needed), whose abstract device is a GPU for 'cuda' (from jax 0.11 on the Triton
+    lowering reads its target from it when no GPU is present; 'tpu' needs none)."""
+    device = None
+    if platform == "cuda":
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+                                     abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)

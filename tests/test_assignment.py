@@ -148,6 +148,11 @@ def test_two_steps_with_balance_loss_log_dominance(tmp_path):
 def test_balance_weight_key_is_checked_and_old_configs_resume():
     assert config_differences({"seed": 0}, {"seed": 0, "balance_weight": 0.0}) == []
     assert config_differences({"seed": 0}, {"seed": 0, "balance_weight": 0.1}) != []
+    stored = {"data": {"seq_len": 8}, "mesh": {"data": 8}}  # a run stored before the streaming keys existed
+    now = {"data": {"seq_len": 8, "streaming": False, "eval_paths": (), "prefetch": 4}, "mesh": {"data": 4}}
+    assert config_differences(stored, now) == []
+    assert config_differences(stored, {**now, "data": {**now["data"], "streaming": True}}) == [
+        "data.streaming: False (stored) vs True (now)"]
     config = _quickstart_runlocal()
     config.balance_weight = -1.0
     with pytest.raises(ValueError, match="balance_weight=-1.0"):

@@ -2,6 +2,7 @@
 dense attention, pairs retained against the naive dense mask of `focal_jax.attention.reference`, bad arguments, and
 the command line against the trainer's own held-out loss."""
 
+import dataclasses
 import json
 
 import jax
@@ -11,13 +12,14 @@ import pytest
 from flax import nnx
 
 from focal_jax.attention import reference
-from focal_jax.eval.diagnostics import attention_view, forward
+from focal_jax.eval.diagnostics import attention_view, forward, load_run
 from focal_jax.eval.perplexity import evaluate_model, format_table, main, pair_counts, topk_table
 from focal_jax.nn.attention import record_attention
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.train import train
 from focal_jax.train.config import default_config
 from focal_jax.train.metrics import read_metrics
+from focal_jax.train.trainer import load_model
 
 VOCAB, DOC_LEN, K, WINDOW = 32, 10, 4, 3
 
@@ -188,15 +190,18 @@ def test_bad_arguments_name_the_value(model):
         evaluate_model(model, [{"inputs": batch["inputs"], "loss_mask": batch["loss_mask"]}])
 
 
-def tiny_focus_run(tmp_path) -> str:
-    """A 1-step training run of a 1-layer Focus LLaMA on synthetic documents that logs its held-out loss (the
-    smallest config that compiles quickly); returns the workdir."""
+FOCUS_ATTN = {"kind": "focus", "focus_groups": 3, "focus_window": 8, "focus_iters": 3}
+
+
+def tiny_focus_run(tmp_path, attn=FOCUS_ATTN, steps=1) -> str:
+    """A training run (`steps` steps, a checkpoint and a held-out loss at every step) of a 1-layer LLaMA (Focus
+    unless `attn` says otherwise) on synthetic documents (the smallest config that compiles quickly); returns the
+    workdir."""
     config = default_config()
-    config.update(total_steps=1, batch_size=8, log_every=1, eval_every=1, eval_batches=1, ckpt_every=1,
+    config.update(total_steps=steps, batch_size=8, log_every=1, eval_every=1, eval_batches=1, ckpt_every=1,
                   compute_dtype="float32")
     config.model = {"family": "llama", "vocab_size": 320, "d_model": 32, "n_layers": 1, "n_heads": 2,
-                    "intermediate": 64, "attn": {"kind": "focus", "focus_groups": 3, "focus_window": 8,
-                                                 "focus_iters": 3}}
+                    "intermediate": 64, "attn": attn}
     config.data.update(source="synthetic", n_synthetic=100, eval_fraction=0.2, vocab_size=320, seq_len=32,
                        cache_dir=str(tmp_path / "tokenizers"))
     workdir = str(tmp_path / "run")
@@ -216,3 +221,26 @@ def test_command_line_on_a_training_workdir_matches_the_trainers_eval_loss(tmp_p
     with open(out) as f:
         saved = json.load(f)
     assert saved["rows"][1]["loss"] == rows[1]["loss"] and saved["settings"]["seq_len"] == 32
+
+
+def test_command_line_step_and_window(tmp_path):
+    """`--step` evaluates an intermediate checkpoint (the trainer's held-out loss at that step); `--window` the
+    weights under a sliding window (a model built with that window and given the same parameters)."""
+    workdir = tiny_focus_run(tmp_path, attn={"kind": "dense"}, steps=2)
+    trainer_losses = {r["step"]: r["loss"] for r in read_metrics(workdir, kind="eval")}
+    assert trainer_losses[1] != trainer_losses[2]
+    for step in (1, 2):
+        rows = main(["--workdir", workdir, "--batches", "1", "--step", str(step)])
+        np.testing.assert_allclose(rows[0]["loss"], trainer_losses[step], rtol=1e-5)
+    with pytest.raises(SystemExit):
+        main(["--workdir", workdir, "--step", "5"])
+
+    windowed = main(["--workdir", workdir, "--batches", "1", "--window", "3"])[0]["loss"]
+    assert main(["--workdir", workdir, "--batches", "1", "--window", "40"])[0]["loss"] == pytest.approx(
+        trainer_losses[2], rel=1e-5)  # a window longer than the rows changes nothing
+    loaded = load_model(workdir)
+    built = Llama(dataclasses.replace(loaded.config, attn={"kind": "dense", "window": 3}), rngs=nnx.Rngs(1))
+    nnx.update(built, nnx.state(loaded))
+    batches = load_run(workdir, n_batches=1).batches
+    np.testing.assert_allclose(windowed, evaluate_model(built, batches)["loss"], rtol=1e-5)
+    assert abs(windowed - trainer_losses[2]) > 1e-3

@@ -247,6 +247,20 @@ def test_with_topk_equals_a_model_built_with_focus_topk():
         recall.with_topk(_llama(FOCUS), 5)
 
 
+def test_with_rope_ntk_equals_a_model_built_with_it():
+    plain = _llama({})
+    scaled = _llama({"rope_ntk_factor": 2.0, "rope_trained_len": 8}, seed=1)
+    nnx.update(scaled, nnx.state(plain))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (1, 20)), jnp.int32)
+    before = _forward(plain, tokens)
+    recall.with_rope_ntk(plain, 2.0, trained_len=8)
+    np.testing.assert_allclose(_forward(plain, tokens), _forward(scaled, tokens), atol=1e-6, rtol=0)
+    assert not np.allclose(_forward(plain, tokens), before, atol=1e-4)  # 20 tokens > 8: the base grew
+    gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=8, d_model=16, n_layers=1, n_heads=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rope_ntk_factor=2.0 needs rotary embeddings"):
+        recall.with_rope_ntk(gpt2, 2.0, trained_len=8)
+
+
 def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, capsys):
     from focal_jax.train import checkpoint, trainer
 
@@ -256,8 +270,8 @@ def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, caps
     tasks, lengths = ["needle", "frequent_words"], [96, 160]
     answers = {s.example.prompt: s.example.answer for task in tasks for length in lengths
                for s in recall.length_matched(task, tokenizer, length, 2, seed=0)}
-    monkeypatch.setattr(trainer, "load_model", lambda path: _llama({}, vocab=tokenizer.vocab_size))
-    monkeypatch.setattr(checkpoint, "read_meta", lambda path: (7, {}))
+    monkeypatch.setattr(trainer, "load_model", lambda path, step=None: _llama({}, vocab=tokenizer.vocab_size))
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (7, {"config": {"data": {"seq_len": 64}}}))
     monkeypatch.setattr(recall, "greedy_decode", _oracle(tokenizer, answers)[0])
     recall.main(["--workdir", str(workdir), "--tasks", ",".join(tasks), "--lengths", "96,160", "--n", "2"])
     record = json.loads((workdir / "recall.json").read_text())

@@ -185,3 +185,18 @@ def test_undecodable_focus_raises(attn, setting):
         generate(model, _tokens(length=3), max_new_tokens=2)
     with pytest.raises(ValueError, match=setting):
         init_cache(model, B, 8)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_logits_at_selects_rows_of_the_full_logits(family):
+    """`model(..., logits_at=[B, P])` equals the full logits gathered at those rows, with and without a cache."""
+    model = _gpt2() if family == "gpt2" else _llama({})
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, (2, 9)), jnp.int32)
+    full = model(tokens)
+    at = jnp.asarray([[8, 0, 3], [2, 2, 5]])
+    np.testing.assert_allclose(model(tokens, logits_at=at), np.take_along_axis(full, at[:, :, None], axis=1),
+                               atol=1e-5, rtol=1e-5)
+    cached, _ = model(tokens, cache=init_cache(model, 2, 12), logits_at=jnp.asarray([[8], [8]]))
+    np.testing.assert_allclose(cached[:, 0], full[:, 8], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"logits_at must be integer indices \[batch, n\] with batch 2"):
+        model(tokens, logits_at=jnp.asarray([1, 2]))

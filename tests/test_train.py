@@ -162,6 +162,22 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
     assert glob.glob(os.path.join(resumed, "tb", "events.*"))
 
 
+def test_zero_steps_saves_and_evaluates_the_starting_model(tmp_path, cache_dir):
+    """A 0-step run (a zero-shot baseline) evaluates its starting model and saves it as step 0; the same command
+    with more steps continues from it as a run of those steps from the start would."""
+    zero, straight = str(tmp_path / "zero"), str(tmp_path / "straight")
+    train(tiny(cache_dir, total_steps=0, eval_batches=1), zero)
+    assert latest_step(zero) == 0 and losses(zero) == {}
+    [record] = read_metrics(zero, kind="eval")
+    assert record["step"] == 0 and np.isfinite(record["loss"])
+    start = init_model(check_config(tiny(cache_dir)))
+    np.testing.assert_array_equal(load_model(zero).layers[1].mlp.up_proj.kernel[...],
+                                  start.layers[1].mlp.up_proj.kernel[...])
+    train(tiny(cache_dir, total_steps=2), zero)
+    train(tiny(cache_dir, total_steps=2), straight)
+    assert losses(zero) == losses(straight) and sorted(losses(zero)) == [1, 2]
+
+
 def test_remat_and_bf16(tmp_path, cache_dir):
     plain = str(tmp_path / "plain")
     train(tiny(cache_dir), plain)
@@ -287,6 +303,50 @@ def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     model = load_model(workdir)  # the Hugging Face base plus the trained centroids
     saved = checkpoint.load_params(workdir, 2, *_centroids_and_shardings(model))
     np.testing.assert_array_equal(model.layers[1].self_attn.w_g[...], saved["layers"][1]["self_attn"]["w_g"])
+
+
+def test_phase2_after_a_phase1_on_a_hugging_face_directory(tmp_path, cache_dir):
+    """The Focus paper's Table 5 protocol on a GPT-2 directory: phase 1 trains centroids on the Hugging Face model,
+    phase 2 (`focus_finetune.py:init_from=PHASE1`) starts from phase 1's whole model and trains every weight."""
+    import torch
+    import transformers
+
+    from focal_jax.convert.hf import from_hf
+
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=512, n_positions=128, n_embd=32, n_layer=2, n_head=4)
+    hf_dir = str(tmp_path / "gpt2")
+    transformers.GPT2LMHeadModel(hf_config).save_pretrained(hf_dir, safe_serialization=True)
+    phase1, phase2 = str(tmp_path / "phase1"), str(tmp_path / "phase2")
+    config = tiny(cache_dir, init_from=hf_dir, total_steps=2, ckpt_every=1)
+    config.model = {"family": "hf"}
+    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
+    config.optim.trainable = "centroids"
+    train(config, phase1)
+
+    config = load_experiment("focus_finetune", f"runlocal,init_from={phase1}")
+    assert config.model.to_dict() == {"family": "hf"} and config.init_from == phase1
+    config.update(total_steps=2, batch_size=8, eval_batches=0)
+    start = init_model(check_config(config))
+    base, phase1_model = from_hf(hf_dir), load_model(phase1)
+    trained = nnx.to_pure_dict(nnx.state(phase1_model, Centroid))
+    np.testing.assert_array_equal(start.h[1].attn.centroids[...], trained["h"][1]["attn"]["centroids"])
+    np.testing.assert_array_equal(start.h[0].attn.q_proj.kernel[...], base.h[0].attn.q_proj.kernel[...])
+    assert start.h[0].attn.config.kind == "focus"
+    train(config, phase2)
+    saved = checkpoint.saved_param_paths(phase2, 2)
+    assert "h/0/attn/q_proj/kernel" in saved and "h/0/attn/centroids" in saved  # every weight trained
+    tokens = jnp.arange(20, dtype=jnp.int32)[None] % 512
+    finetuned = load_model(phase2)
+    assert not np.allclose(finetuned(tokens), phase1_model(tokens))
+    assert not np.array_equal(finetuned.h[0].attn.q_proj.kernel[...], base.h[0].attn.q_proj.kernel[...])
+    assert len(saved) == len(param_paths(nnx.state(finetuned, nnx.Param)))
+
+    # Intermediate checkpoints: step 1 of phase 1 has other centroids than step 2; a missing step names the saved.
+    early = nnx.to_pure_dict(nnx.state(load_model(phase1, step=1), Centroid))
+    assert not np.array_equal(early["h"][0]["attn"]["centroids"], trained["h"][0]["attn"]["centroids"])
+    with pytest.raises(ValueError, match=r"no checkpoint at step=7; saved steps: \[1, 2\]"):
+        load_model(phase1, step=7)
 
 
 def _centroids_and_shardings(model):
@@ -626,8 +686,18 @@ def check_focus_scratch(built):
 
 
 def check_focus_window_baseline(built):
+    from focal_jax.nn.retrofit import WindowConfig
+
     for args, _, run in built:
-        assert run.model.attention.window == int(args.get("window", 128)) and run.optim.trainable == "all"
+        window = int(args.get("window", 128))
+        if run.family == "hf":  # the architecture comes from the directory: the window goes on the loaded model
+            assert run.retrofit == (WindowConfig(window),), run.retrofit
+        else:
+            assert run.model.attention.window == window and run.retrofit == ()
+        steps = 0 if args.get("--config.total_steps") == "0" else 4000  # 0: Table 1's zero-shot row
+        assert (run.optim.trainable, run.optim.lr, run.total_steps, run.data.seq_len) == ("all", 5e-5, steps, 1024)
+    assert {"hf" in args for args, _, _ in built} == {True, False}  # a LLaMA-family base and GPT-2 directories
+    assert any(run.total_steps == 0 and "hf" in args for args, _, run in built)
 
 
 PAPER_CHECKS = {"focal_scaling": check_focal_scaling, "focal_token_scaling": check_focal_token_scaling,
@@ -651,7 +721,11 @@ def test_docstring_launch_lines_build_the_papers_configs(runs):
             config = load_experiment(experiment, local_arg(arg, runs))
             for key, value in overrides.items():
                 override(config, key, value)
-            built.setdefault(experiment, []).append((arg_dict(arg), config, check_config(config)))
+            run = check_config(config)
+            if arg_dict(arg).get("data"):  # the papers' corpora are streamed
+                assert run.data.streaming and run.data.paths == (arg_dict(arg)["data"],), (name, arg)
+            overridden = {f"--config.{k}": v for k, v in overrides.items()}
+            built.setdefault(experiment, []).append(({**arg_dict(arg), **overridden}, config, run))
         assert any(parse_train_command(name, a)[0] == name for a in commands if "focal_jax.train" in a), (
             f"{name}: its docstring has no launch line of its own")
     eval_lines = [a for a in launch_commands("focal_long_context") if "focal_jax.eval.perplexity" in a]  # 64K

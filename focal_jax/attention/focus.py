@@ -196,7 +196,9 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
         O(T * block) memory, differentiable), or `'pallas'` (the same two sets as block-sparse Pallas kernels with
         the masks computed inside from token ids, forward and backward; Triton on GPU, Mosaic on TPU, interpret
-        mode on CPU; see `focal_jax.kernels.focus_sparse`).
+        mode on CPU; see `focal_jax.kernels.focus_sparse`). Under a `jax.set_mesh(mesh)` context the kernels run
+        per shard (`shard_map`: batch over the mesh's 'data' / 'fsdp' axes, heads over 'tensor'); without one,
+        as they are.
       block_size: tile size of `'decomposed'` and of `'pallas'`'s group set (default 128; a power of two for
         `'pallas'`, and a multiple of 128 on TPU).
 

@@ -5,6 +5,10 @@ synthetic tasks, grain pipelines.
     it = train_iterator(data)            # it.get_state() / it.set_state(state): {'next_index': step}
     batch = next(it)                     # dict of [32 // process_count, 128] arrays, keys as `pack`
     eval_batches = data.eval_batches(4)  # held-out, deterministic
+
+Paper-scale corpora stream instead of loading (`focal_jax.data.streaming`): the same call with
+`DataConfig(source='jsonl', paths='corpus/*.jsonl', streaming=True, tokenizer=...)`; `it.get_state()` is then a few
+integers per reader, and `data.n_train_rows` / `n_train_tokens` are None.
 """
 
 from focal_jax.data.config import DataConfig

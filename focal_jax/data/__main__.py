@@ -4,27 +4,37 @@ import argparse
 
 from focal_jax.data.config import DataConfig
 from focal_jax.data.pipeline import split_documents
-from focal_jax.data.sources import read_documents
+from focal_jax.data.sources import expand_paths, read_documents
+from focal_jax.data.streaming import tokenizer_sample
 from focal_jax.data.tokenizer import cached_tokenizer, write_atomically
 
 
 def main(argv=None) -> str:
     """`python -m focal_jax.data --source builtin --vocab_size 2000 [--paths GLOB ...] [--field text]
-    [--cache_dir DIR] [--out FILE]`: train (or find in the cache) the tokenizer a run with these data settings
-    would use, print its path, and copy it to `--out` if given. Runs train the same one themselves; this command
-    lets a cluster job build it once up front, or a user inspect it."""
+    [--eval_paths GLOB ...] [--streaming] [--cache_dir DIR] [--out FILE]`: train (or find in the cache) the
+    tokenizer a run with these data settings would use, print its path, and copy it to `--out` if given. Runs train
+    the same one themselves; this command lets a cluster job build it once up front, or a user inspect it.
+    `--streaming` trains on the sample a streaming run uses (its first training documents, up to 20M characters)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.data", description=main.__doc__)
     parser.add_argument("--source", default="builtin")
     parser.add_argument("--paths", nargs="*", default=())
     parser.add_argument("--field", default="text")
     parser.add_argument("--vocab_size", type=int, default=2000)
     parser.add_argument("--eval_fraction", type=float, default=0.05)
+    parser.add_argument("--eval_paths", nargs="*", default=())
+    parser.add_argument("--streaming", action="store_true")
     parser.add_argument("--cache_dir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     config = DataConfig(source=args.source, paths=tuple(args.paths), field=args.field, vocab_size=args.vocab_size,
-                        eval_fraction=args.eval_fraction, cache_dir=args.cache_dir)
-    train_docs, _ = split_documents(read_documents(config), config.eval_fraction)
+                        eval_fraction=args.eval_fraction, eval_paths=tuple(args.eval_paths),
+                        streaming=args.streaming, cache_dir=args.cache_dir)
+    if config.streaming:
+        train_docs = tokenizer_sample(config, expand_paths(config.paths))
+    elif config.eval_paths:
+        train_docs = read_documents(config)
+    else:
+        train_docs, _ = split_documents(read_documents(config), config.eval_fraction)
     tokenizer = cached_tokenizer(train_docs, config.vocab_size, config.cache_dir)
     path = tokenizer.path
     if args.out:

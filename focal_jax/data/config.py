@@ -8,6 +8,9 @@ from focal_jax.data import synthetic
 
 SOURCES = ("builtin", "text", "jsonl", "parquet", "array_record", "synthetic")
 FILE_SOURCES = ("text", "jsonl", "parquet", "array_record")
+SHARD_BY = ("file", "document")
+# Settings of the streaming mode only, with their defaults (a different value without streaming=True is an error).
+STREAMING_DEFAULTS = dict(shard_by="file", shuffle_window=0, interleave=1, prefetch=2)
 MIN_VOCAB_SIZE = 262  # 256 byte-fallback pieces + pad, unk, bos, eos and the newline piece + at least one more
 
 
@@ -31,8 +34,23 @@ class DataConfig:
       vocab_size: vocabulary size of a trained tokenizer (unused when `tokenizer` is given).
       cache_dir: where trained tokenizers are cached; None means ~/.cache/focal_jax.
       seq_len: tokens per packed row.
-      eval_fraction: share of documents held out for evaluation, chosen by a hash of each document's text.
-      shuffle: shuffle the training rows (differently each epoch).
+      eval_fraction: share of documents held out for evaluation, chosen by a hash of each document's text
+        (unused when `eval_paths` is set).
+      shuffle: shuffle the training rows (differently each epoch); when streaming, the order of the files
+        (differently each epoch) and, with `shuffle_window`, the documents within windows of a file.
+      eval_paths: glob patterns of held-out evaluation files, in the format of `source` (a file source only). When
+        set, their documents are the evaluation documents and every document of `paths` is trained on.
+      streaming: read the files of a file source lazily during training instead of loading the corpus
+        (`focal_jax.data.streaming`): memory stays at one file's read buffer plus a few rows, whatever the corpus
+        size; the training stream repeats epochs forever. The keys below are for this mode only.
+      shard_by: how the processes of a multi-host run split a stream: 'file' (process i of n reads every n-th file
+        of each epoch's file order; needs at least n * interleave files) | 'document' (every process reads every
+        file and keeps every n-th document; for corpora of few files).
+      shuffle_window: when > 1 (and `shuffle`), documents are shuffled within consecutive windows of this many
+        documents of a file (seeded; memory: that many documents). 0 or 1: file order.
+      interleave: readers per process, each with its own files, whose rows alternate in the batches (so a long
+        document does not fill a whole batch); 1 = one reader.
+      prefetch: batches read ahead in a background thread; 0 reads in the calling thread.
     """
 
     source: str = "builtin"
@@ -47,6 +65,12 @@ class DataConfig:
     seq_len: int = 128
     eval_fraction: float = 0.05
     shuffle: bool = True
+    eval_paths: tuple[str, ...] = ()
+    streaming: bool = False
+    shard_by: str = "file"
+    shuffle_window: int = 0
+    interleave: int = 1
+    prefetch: int = 2
 
     def __post_init__(self):
         _choice("source", self.source, SOURCES)
@@ -64,8 +88,24 @@ class DataConfig:
         if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or not (
                 0 <= self.eval_fraction < 1):
             raise ValueError(f"eval_fraction must be a number in [0, 1), got eval_fraction={self.eval_fraction!r}")
-        if not isinstance(self.shuffle, (bool, np.bool_)):
-            raise ValueError(f"shuffle must be True or False, got shuffle={self.shuffle!r}")
+        for name in ("shuffle", "streaming"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
+        object.__setattr__(self, "eval_paths", _paths(self.eval_paths, "eval_paths"))
+        if self.eval_paths and self.source not in FILE_SOURCES:
+            raise ValueError(f"eval_paths={self.eval_paths} are files in the format of source, but "
+                             f"source={self.source!r} is not a file source ({', '.join(FILE_SOURCES)})")
+        if self.streaming and self.source not in FILE_SOURCES:
+            raise ValueError(f"streaming=True reads files: source must be one of {', '.join(FILE_SOURCES)}, got "
+                             f"source={self.source!r}")
+        _choice("shard_by", self.shard_by, SHARD_BY)
+        _integer("shuffle_window", self.shuffle_window, 0)
+        _integer("interleave", self.interleave, 1)
+        _integer("prefetch", self.prefetch, 0)
+        if not self.streaming:
+            changed = [f"{k}={getattr(self, k)!r}" for k, v in STREAMING_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only applies to streaming=True (streaming=False)")
 
 
 def _choice(name, value, choices):
@@ -88,13 +128,13 @@ def _integer(name, value, minimum):
         raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
 
 
-def _paths(paths) -> tuple[str, ...]:
+def _paths(paths, name: str = "paths") -> tuple[str, ...]:
     """A tuple of glob patterns from a tuple, a list or a comma-separated string."""
     if isinstance(paths, str):
         paths = paths.split(",")
     if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) for p in paths):
-        raise ValueError(f"paths must be glob patterns (a list, tuple or comma-separated string), got "
-                         f"paths={paths!r}")
+        raise ValueError(f"{name} must be glob patterns (a list, tuple or comma-separated string), got "
+                         f"{name}={paths!r}")
     return tuple(p.strip() for p in paths if p.strip())
 
 

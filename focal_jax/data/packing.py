@@ -62,6 +62,14 @@ def pack(token_docs: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
                 loss_mask=same_doc.astype(np.float32))
 
 
+def frame(ids, start_id: int, eos_id: int) -> np.ndarray:
+    """A document's token ids `[n]` -> `[start_id, *ids, eos_id]`, int32 `[n + 2]`: the framing `pack` expects
+    (start_id: the bos, or the eos for a tokenizer without bos)."""
+    out = np.empty(len(ids) + 2, np.int32)
+    out[0], out[1:-1], out[-1] = start_id, ids, eos_id
+    return out
+
+
 def _padded(x: np.ndarray, size: int, fill: int) -> np.ndarray:
     """`x` (1-D) extended with `fill` to `size` entries."""
     return np.concatenate([x, np.full(size - x.size, fill, dtype=x.dtype)])

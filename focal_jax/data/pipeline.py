@@ -1,5 +1,6 @@
 """The training and evaluation data of a run: documents -> train / eval split -> tokenizer -> packed rows ->
-grain batches, sharded by process.
+grain batches, sharded by process. `DataConfig(streaming=True)` reads the files lazily instead
+(`focal_jax.data.streaming`); everything below describes the in-memory mode.
 
 documents (`read_documents`) are split by a hash of their text (`eval_fraction` held out), encoded as
 `start + tokens + eos` (start: the bos, or the eos for a tokenizer without bos, e.g. GPT-2 style; see
@@ -7,18 +8,19 @@ documents (`read_documents`) are split by a hash of their text (`eval_fraction` 
 `MapDataset.source -> shuffle(seed) -> repeat() -> process shard -> batch(local_batch)`: an infinite, random-access
 dataset whose element `s` is this process's share of global step `s`, reshuffled every epoch. Process `p` holds
 rows `[p * local, (p + 1) * local)` of each global batch, so concatenating the processes' batches of a step gives
-exactly the single-process batch of that step.
+exactly the single-process batch of that step. With `eval_paths`, the evaluation documents are those files' and
+no training document is held out.
 """
 
 import dataclasses
-import hashlib
 
 import grain
 import numpy as np
 
+from focal_jax.data import streaming as streaming_lib
 from focal_jax.data.config import DataConfig
-from focal_jax.data.packing import PACKED_KEYS, pack
-from focal_jax.data.sources import read_documents
+from focal_jax.data.packing import PACKED_KEYS, frame, pack
+from focal_jax.data.sources import expand_paths, is_held_out, read_documents
 from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, copy_tokenizer, load_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -31,28 +33,51 @@ class Data:
     Attributes:
       tokenizer: the Tokenizer (its `vocab_size` is the model's vocabulary size).
       train: infinite grain `MapDataset`; element `s` is this process's batch of global step `s`: a dict with the
-        keys of `pack`, each `[local_batch, seq_len]` (`local_batch = global_batch // process_count`).
-      n_train_rows, n_train_tokens: packed training rows; their non-padding tokens (one epoch).
-      n_train_documents, n_eval_documents: documents in each split.
-      eval_rows: the packed evaluation rows (all processes), `[n_eval_rows, seq_len]` per key.
+        keys of `pack`, each `[local_batch, seq_len]` (`local_batch = global_batch // process_count`). Streaming: an
+        infinite grain `IterDataset` of this process's batches (no random access; iterate with `train_iterator`).
+      n_train_rows, n_train_tokens: packed training rows; their non-padding tokens (one epoch). None when streaming
+        (unknown without reading the corpus).
+      n_train_documents, n_eval_documents: documents in each split (None when streaming).
+      eval_rows: the packed evaluation rows (all processes), `[n_eval_rows, seq_len]` per key (None when
+        streaming: `eval_batches` reads them lazily).
       global_batch, process_index, process_count: the batch layout.
+      streaming: whether `train` is a stream (`DataConfig.streaming`).
+      config: the DataConfig.
+      n_files: files of the training stream (None when not streaming).
+      eval_source: the streaming evaluation rows (`focal_jax.data.streaming.EvalRows`), else None.
     """
 
     tokenizer: Tokenizer
-    train: grain.MapDataset
-    n_train_rows: int
-    n_train_tokens: int
-    n_train_documents: int
-    n_eval_documents: int
-    eval_rows: Batch = dataclasses.field(repr=False)
+    train: grain.MapDataset | grain.IterDataset
+    n_train_rows: int | None
+    n_train_tokens: int | None
+    n_train_documents: int | None
+    n_eval_documents: int | None
+    eval_rows: Batch | None = dataclasses.field(repr=False)
     global_batch: int
     process_index: int
     process_count: int
+    streaming: bool = False
+    config: DataConfig | None = dataclasses.field(default=None, repr=False)
+    n_files: int | None = None
+    eval_source: streaming_lib.EvalRows | None = dataclasses.field(default=None, repr=False)
 
     @property
     def local_batch(self) -> int:
         """Rows of this process per step: `global_batch // process_count`."""
         return self.global_batch // self.process_count
+
+    def describe(self) -> str:
+        """One line for the run's log: the source, the rows, the tokens (or the files of a stream)."""
+        config = self.config
+        if not self.streaming:
+            return (f"{config.source}, {self.n_train_rows} rows of {config.seq_len} tokens "
+                    f"({self.n_train_tokens:,} tokens)")
+        readers = self.process_count * config.interleave
+        share = ("" if readers == 1 else f"; {readers} readers (processes x interleave) each read 1 of every "
+                 f"{readers} {config.shard_by}s per epoch")
+        return (f"{config.source}, streamed from {self.n_files} files{share}, rows of {config.seq_len} tokens "
+                f"(corpus size unknown)")
 
     def eval_batches(self, n: int) -> list[Batch]:
         """The first `n` held-out batches -> list of dicts, each `[local_batch, seq_len]` per key.
@@ -60,14 +85,18 @@ class Data:
         Deterministic (no shuffling): global eval batch `s` is eval rows `[s * global_batch, (s + 1) * global_batch)`
         and this process gets its share, as in training. When the eval split has fewer rows, the remaining rows are
         padding (`loss_mask` 0), so a loss summed with `loss_mask` and divided by `loss_mask.sum()` over all
-        batches (and processes) is exact.
+        batches (and processes) is exact. Streaming: the rows are read on the first call, only as many as needed
+        (`focal_jax.data.streaming.EvalRows`).
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got n={n!r}")
-        if self.n_eval_documents == 0:
+        if self.streaming:
+            rows = self.eval_source.rows(n * self.global_batch)
+        elif self.n_eval_documents == 0:
             raise ValueError(f"there are no evaluation documents (0 of {self.n_train_documents} documents held out): "
                              f"raise eval_fraction")
-        rows = {k: _padded_rows(v, n * self.global_batch) for k, v in self.eval_rows.items()}
+        else:
+            rows = {k: _padded_rows(v, n * self.global_batch) for k, v in self.eval_rows.items()}
         starts = [s * self.global_batch + self.process_index * self.local_batch for s in range(n)]
         return [{k: v[start:start + self.local_batch] for k, v in rows.items()} for start in starts]
 
@@ -84,15 +113,22 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
         or WORKDIR/tokenizer.json with its tokenizer_config.json) and loaded from there, so a run directory holds
         the tokenizer it was trained with (`workdir_tokenizer`).
       process_index, process_count: this process and the number of processes (default: `jax.process_index()`
-        and `jax.process_count()`). Every process reads all documents and keeps its share of each batch.
+        and `jax.process_count()`). Every process reads all documents and keeps its share of each batch; when
+        streaming, each process reads its own share of the files (or documents) instead.
     """
     if process_index is None or process_count is None:
         import jax
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     _check_layout(global_batch, seed, process_index, process_count)
+    if config.streaming:
+        return _build_stream(config, global_batch=global_batch, seed=seed, workdir=workdir,
+                             process_index=process_index, process_count=process_count)
 
-    train_docs, eval_docs = split_documents(read_documents(config), config.eval_fraction)
+    if config.eval_paths:
+        train_docs, eval_docs = read_documents(config), read_documents(config, config.eval_paths)
+    else:
+        train_docs, eval_docs = split_documents(read_documents(config), config.eval_fraction)
     tokenizer = _tokenizer(config, train_docs, workdir)
     train_rows = pack(encode_documents(tokenizer, train_docs), config.seq_len)
     n_train_rows = len(train_rows["inputs"])
@@ -113,15 +149,49 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
     return Data(tokenizer=tokenizer, train=train, n_train_rows=n_train_rows,
                 n_train_tokens=int((train_rows["segment_ids"] > 0).sum()), n_train_documents=len(train_docs),
                 n_eval_documents=len(eval_docs), eval_rows=eval_rows, global_batch=global_batch,
-                process_index=process_index, process_count=process_count)
+                process_index=process_index, process_count=process_count, config=config)
+
+
+def _build_stream(config: DataConfig, *, global_batch, seed, workdir, process_index, process_count) -> Data:
+    """`build_data` for `config.streaming`: nothing is read beyond the first document of each reader (and the
+    tokenizer's training sample when `config.tokenizer` is None)."""
+    files = expand_paths(config.paths)
+    if config.eval_paths:
+        expand_paths(config.eval_paths)  # fails now, naming the pattern, rather than at the first evaluation
+    if config.tokenizer is not None:
+        tokenizer = _tokenizer(config, [], workdir)
+    else:
+        sample = streaming_lib.tokenizer_sample(config, files)
+        if process_index == 0:
+            streaming_lib.log(f"data: the tokenizer is trained on the first {len(sample)} training documents of the "
+                              f"stream ({sum(map(len, sample)) / 1e6:.1f}M characters)")
+        tokenizer = _tokenizer(config, sample, workdir)
+        del sample
+    train = streaming_lib.train_stream(config, files, tokenizer, global_batch=global_batch, seed=seed,
+                                       process_index=process_index, process_count=process_count)
+    eval_source = streaming_lib.EvalRows(config, files, tokenizer, verbose=process_index == 0)
+    return Data(tokenizer=tokenizer, train=train, n_train_rows=None, n_train_tokens=None, n_train_documents=None,
+                n_eval_documents=None, eval_rows=None, global_batch=global_batch, process_index=process_index,
+                process_count=process_count, streaming=True, config=config, n_files=len(files),
+                eval_source=eval_source)
 
 
 def train_iterator(data: Data) -> grain.DatasetIterator:
-    """A checkpointable iterator over `data.train`, from step 0.
+    """A checkpointable iterator over `data.train`, from step 0; `next(it)` is this process's next batch.
 
-    `it.get_state()` is a JSON-serialisable dict, `{'next_index': step}`; `it.set_state(state)` resumes exactly
-    there. Reads in the calling thread (the rows are in memory).
+    `it.get_state()` is a JSON-serialisable dict, `{'next_index': step}` (in memory) or the stream's positions
+    (`focal_jax.data.streaming.StreamIterator`: a few integers per reader; in a multi-process JAX run those of every
+    process, gathered by `get_state`, which every process must then call at the same step:
+    `streaming.ProcessStates`); `it.set_state(state)` resumes exactly there. In memory it reads in the calling
+    thread; a stream reads ahead `config.prefetch` batches in a thread.
     """
+    if data.streaming:
+        iterator = iter(data.train)
+        if data.process_count == 1:
+            return iterator
+        import jax
+        return streaming_lib.ProcessStates(iterator, data.process_index, data.process_count,
+                                           gather=jax.process_count() == data.process_count)
     read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     return iter(data.train.to_iter_dataset(read_options))
 
@@ -130,7 +200,7 @@ def encode_documents(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndar
     """Documents -> one int32 array `[n_tokens + 2]` per document: `tokenizer.start_id` (the bos, or the eos when
     the tokenizer has no bos), the tokens, eos."""
     ids = tokenizer.encode_batch(documents)
-    return [np.array([tokenizer.start_id, *doc, tokenizer.eos_id], np.int32) for doc in ids]
+    return [frame(doc, tokenizer.start_id, tokenizer.eos_id) for doc in ids]
 
 
 def _check_layout(global_batch, seed, process_index, process_count):
@@ -147,20 +217,13 @@ def _check_layout(global_batch, seed, process_index, process_count):
 
 
 def split_documents(docs: list[str], eval_fraction: float) -> tuple[list[str], list[str]]:
-    """`(train_docs, eval_docs)`: each document held out by a hash of its text (see `_is_eval`)."""
-    held_out = [_is_eval(doc, eval_fraction) for doc in docs]
+    """`(train_docs, eval_docs)`: each document held out by a hash of its text (`sources.is_held_out`)."""
+    held_out = [is_held_out(doc, eval_fraction) for doc in docs]
     train_docs = [doc for doc, e in zip(docs, held_out) if not e]
     if not train_docs:
         raise ValueError(f"all {len(docs)} documents were held out for evaluation: lower "
                          f"eval_fraction={eval_fraction}")
     return train_docs, [doc for doc, e in zip(docs, held_out) if e]
-
-
-def _is_eval(doc: str, eval_fraction: float) -> bool:
-    """Whether `doc` is held out: a uniform number in [0, 1) from the sha256 of its text is below the fraction.
-    Equal documents land in the same split, and the split of a document does not depend on the others."""
-    digest = hashlib.sha256(doc.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < eval_fraction
 
 
 def _tokenizer(config: DataConfig, train_docs: list[str], workdir: str | None) -> Tokenizer:

@@ -4,6 +4,10 @@
     python -m focal_jax.eval diagnostics --workdir DIR                 group dominance, confidence, top tokens, entropy
     python -m focal_jax.eval recall --workdir DIR [--lengths ...]      long-context recall suite, accuracy per length
     python -m focal_jax.eval harness --workdir DIR --tasks T1,T2       lm-evaluation-harness tasks (HARNESS.md)
+    python -m focal_jax.eval helmet --workdir DIR --data HELMET_DATA   HELMET (recall, RAG, re-rank, ICL, LongQA)
+                                                                       per length (HARNESS.md)
+
+Every command takes `--step S` to evaluate an intermediate checkpoint instead of the latest.
 
 `python -m focal_jax.eval <command> --help` lists a command's arguments.
 """
@@ -12,7 +16,7 @@ import importlib
 import sys
 
 COMMANDS = {"perplexity": "focal_jax.eval.perplexity", "diagnostics": "focal_jax.eval.diagnostics",
-            "recall": "focal_jax.eval.recall", "harness": "focal_jax.eval.harness"}
+            "recall": "focal_jax.eval.recall", "harness": "focal_jax.eval.harness", "helmet": "focal_jax.eval.helmet"}
 
 
 def main(argv=None):

@@ -148,8 +148,8 @@ def _full_steps(graphdef, state, tokens, lengths, produced, finished, eos_id, li
     def step(tokens, produced, finished):
         filled = lengths + produced
         segment_ids = (slots[None, :] < filled[:, None]).astype(jnp.int32)
-        logits = model(tokens, positions=positions, segment_ids=segment_ids)
-        nxt = jnp.argmax(logits[jnp.arange(b), filled - 1], axis=-1).astype(tokens.dtype)
+        logits = model(tokens, positions=positions, segment_ids=segment_ids, logits_at=(filled - 1)[:, None])
+        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(tokens.dtype)
         write = ~finished
         tokens = _write(tokens, filled, nxt, write)
         return (tokens, *_advance(nxt, write, produced, finished, eos_id, limit))
@@ -163,8 +163,9 @@ def _cached_prefill(graphdef, state, tokens, lengths, *, prefill):
     the greedy token at slot `prefill` written for the rows whose prompt ends there."""
     model = nnx.merge(graphdef, state)
     cache = init_cache(model, tokens.shape[0], tokens.shape[1])
-    logits, cache = model(tokens[:, :prefill], cache=cache)
-    nxt = jnp.argmax(logits[:, -1], axis=-1).astype(tokens.dtype)
+    last = jnp.full((tokens.shape[0], 1), prefill - 1)
+    logits, cache = model(tokens[:, :prefill], cache=cache, logits_at=last)  # [B, 1, vocab], not [B, prefill, vocab]
+    nxt = jnp.argmax(logits[:, 0], axis=-1).astype(tokens.dtype)
     write = lengths <= prefill
     return _write(tokens, prefill, nxt, write), cache, write.astype(jnp.int32)
 

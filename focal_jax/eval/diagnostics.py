@@ -34,9 +34,10 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
-from focal_jax.nn.attention import FOCUS_KINDS, Attention, record_attention
-from focal_jax.nn.gpt2 import ATTENTION_FIELDS, GPT2
+from focal_jax.nn.attention import FOCUS_KINDS, record_attention
+from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.llama import Llama
+from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint
 from focal_jax.train.config import check_config
 from focal_jax.train.trainer import load_model
@@ -48,27 +49,21 @@ from focal_jax.train.trainer import load_model
 
 def attention_view(model, **changes):
     """A second model object over the same parameter arrays as `model` (`Llama` or `GPT2`), whose every `Attention`
-    config has `changes` applied (AttentionConfig fields, e.g. `focus_topk=2`, `impl='xla'`), and with block
-    rematerialisation off (evaluation needs no backward pass). `model` itself is left unchanged.
+    config has `changes` applied (AttentionConfig fields, e.g. `focus_topk=2`, `impl='xla'`, `window=128` for the
+    pretrained weights under a sliding window, `kind='dense'` on a Focus model) by
+    `focal_jax.nn.retrofit.replace_attention` (with `allow_unused=True`: a kind may leave parameters unused), and
+    with block rematerialisation off (evaluation needs no backward pass). `model` itself is left unchanged.
 
     Raises ValueError for another model type, or naming the field when a change is invalid (e.g. `focus_topk`
-    larger than `focus_groups`, or a field GPT-2's config does not carry).
+    larger than `focus_groups`, a `window` on a Focus kind, a field GPT-2's config does not carry, a kind that
+    needs parameters the model lacks).
     """
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
     graphdef, state = nnx.split(model)
     view = nnx.merge(graphdef, state)
-    for _, layer in nnx.iter_modules(view):
-        if isinstance(layer, Attention):
-            layer.config = dataclasses.replace(layer.config, **changes)
-    if isinstance(view, Llama):
-        attn = {**dict(view.config.attn), **changes}
-        view.config = dataclasses.replace(view.config, attn=attn, remat=False)
-    else:
-        other = sorted(set(changes) - set(ATTENTION_FIELDS))
-        if other:
-            raise ValueError(f"GPT2Config has no field(s) {other}; a GPT-2 view can change {ATTENTION_FIELDS}")
-        view.config = dataclasses.replace(view.config, remat=False, **changes)
+    replace_attention(view, allow_unused=True, **changes)
+    view.config = dataclasses.replace(view.config, remat=False)
     return view
 
 
@@ -100,9 +95,11 @@ class Run:
     step: int
 
 
-def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_size: int | None = None) -> Run:
-    """The model of a focal_jax training workdir (latest checkpoint), its tokenizer, and `n_batches` held-out
-    batches of the run's data, packed at `seq_len` tokens per row (default: the trained length).
+def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_size: int | None = None,
+             step: int | None = None) -> Run:
+    """The model of a focal_jax training workdir (latest checkpoint, or checkpoint `step`: an intermediate one), its
+    tokenizer, and `n_batches` held-out batches of the run's data, packed at `seq_len` tokens per row (default: the
+    trained length).
 
     batch_size: rows per batch; default the run's `batch_size`, scaled by trained / evaluated length so that a
     batch holds about as many tokens as in training (at least one row).
@@ -110,7 +107,8 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
     for name, value in (("n_batches", n_batches), ("seq_len", seq_len), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
-    step, meta = checkpoint.read_meta(workdir)
+    model = load_model(workdir, step=step)  # first: it names the saved steps when `step` is not one
+    step, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(meta["config"]))
     trained = run.data.seq_len
     seq_len = seq_len or trained
@@ -122,7 +120,6 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
     except FileNotFoundError:
         pass
     data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1)
-    model = load_model(workdir)
     return Run(model=model, tokenizer=data.tokenizer, batches=data.eval_batches(n_batches), seq_len=seq_len,
                trained_seq_len=trained, step=step)
 
@@ -581,6 +578,7 @@ def main(argv=None) -> dict:
     batches; prints the tables and returns the result."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.diagnostics", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
+    parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
     parser.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the trained length)")
     parser.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: as trained)")
@@ -591,7 +589,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--png", help="write the entropy heatmap and dominance plot here")
     args = parser.parse_args(argv)
-    run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size)
+    try:
+        run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
+                       step=args.step)
+    except ValueError as e:
+        parser.error(str(e))
     model = run.model
     if args.topk is not None:
         if not is_focus(model):

@@ -185,10 +185,11 @@ class FocalJaxLM(TemplateLM):
         self.add_bos_token = add_bos_token
 
     @classmethod
-    def from_workdir(cls, workdir: str, **kwargs) -> "FocalJaxLM":
-        """The model of a focal_jax run directory (latest checkpoint, `focal_jax.train.trainer.load_model`) and the
-        tokenizer it was trained with (its workdir copy: `focal_jax.data.tokenizer.workdir_tokenizer`). `max_length`
-        defaults to the run's `data.seq_len`; other keyword arguments as the constructor."""
+    def from_workdir(cls, workdir: str, *, step: int | None = None, **kwargs) -> "FocalJaxLM":
+        """The model of a focal_jax run directory (latest checkpoint, or checkpoint `step`;
+        `focal_jax.train.trainer.load_model`) and the tokenizer it was trained with (its workdir copy:
+        `focal_jax.data.tokenizer.workdir_tokenizer`). `max_length` defaults to the run's `data.seq_len`; other
+        keyword arguments as the constructor."""
         from focal_jax.train import checkpoint, trainer  # the training stack only when loading a run
 
         workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -196,11 +197,11 @@ class FocalJaxLM(TemplateLM):
         _, meta = checkpoint.read_meta(workdir)
         if kwargs.get("max_length") is None:
             kwargs["max_length"] = meta["config"]["data"]["seq_len"]
-        return cls(trainer.load_model(workdir), tokenizer, **kwargs)
+        return cls(trainer.load_model(workdir, step=step), tokenizer, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FocalJaxLM":
-        """lm_eval's constructor from `model_args`: `workdir` (required), `batch_size`, `max_length`,
+        """lm_eval's constructor from `model_args`: `workdir` (required), `step`, `batch_size`, `max_length`,
         `max_gen_toks` (integers, also as strings). `device` and `max_batch_size` are ignored (JAX places arrays)."""
         args = {**arg_dict, **{k: v for k, v in (additional_config or {}).items() if v is not None}}
         args.pop("device", None)
@@ -208,9 +209,9 @@ class FocalJaxLM(TemplateLM):
         workdir = args.pop("workdir", None)
         if not workdir:
             raise ValueError(f"model_args must give workdir=DIR (a focal_jax run directory), got {arg_dict!r}")
-        unknown = set(args) - {"batch_size", "max_length", "max_gen_toks"}
+        unknown = set(args) - {"step", "batch_size", "max_length", "max_gen_toks"}
         if unknown:
-            raise ValueError(f"unknown model_args {sorted(unknown)}; expected workdir, batch_size, max_length, "
+            raise ValueError(f"unknown model_args {sorted(unknown)}; expected workdir, step, batch_size, max_length, "
                              f"max_gen_toks")
         for key, value in args.items():
             if not str(value).isdigit():
@@ -338,7 +339,7 @@ class FocalJaxLM(TemplateLM):
 
 # ---------------------------------------------------------------------- command line
 def main(argv=None) -> dict:
-    """`python -m focal_jax.eval.harness (--workdir DIR | --hf DIR) --tasks T1,T2 [--num_fewshot N]
+    """`python -m focal_jax.eval.harness (--workdir DIR [--step S] | --hf DIR) --tasks T1,T2 [--num_fewshot N]
     [--batch_size 8] [--max_length L] [--limit N] [--include_path DIR] [--output FILE]`: evaluate a focal_jax run
     (or a Hugging Face directory as loaded by `focal_jax.convert.hf.from_hf`, with its `tokenizer.model`, else its
     `tokenizer.json`, or `--tokenizer`) on lm_eval tasks, print the results table, and write the results (JSON)."""
@@ -346,6 +347,7 @@ def main(argv=None) -> dict:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="a focal_jax run directory")
     source.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--step", type=int, default=None, help="--workdir's checkpoint step (default: the latest)")
     parser.add_argument("--tokenizer", default=None, help="SentencePiece model or tokenizer.json for --hf "
                         "(default DIR/tokenizer.model, else DIR/tokenizer.json)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
@@ -364,7 +366,7 @@ def main(argv=None) -> dict:
 
     options = dict(batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks)
     if args.workdir:
-        lm = FocalJaxLM.from_workdir(args.workdir, **options)
+        lm = FocalJaxLM.from_workdir(args.workdir, step=args.step, **options)
     else:
         from focal_jax.convert.hf import from_hf
 

@@ -307,12 +307,14 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    """`python -m focal_jax.eval.perplexity --workdir DIR [--batches N] [--topk all|1,2] [--seq-len N]
-    [--batch-size N] [--rope-ntk-factor F] [--impl xla|decomposed|pallas] [--out FILE.json]`: the perplexity
+    """`python -m focal_jax.eval.perplexity --workdir DIR [--step S] [--batches N] [--topk all|1,2] [--seq-len N]
+    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas] [--out FILE.json]`: the perplexity
     table of a trained run on its held-out data (soft and hard top-k rows for a Focus model); prints it and returns
     the rows."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.perplexity", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
+    parser.add_argument("--step", type=int, default=None,
+                        help="a saved checkpoint step (default: the latest), e.g. for a curve over training")
     parser.add_argument("--batches", type=int, default=8, help="held-out batches (default 8)")
     parser.add_argument("--topk", default=None, help="hard top-k rows: 'all' (the default for Focus models) or "
                                                      "comma-separated k, e.g. 1,2")
@@ -321,17 +323,29 @@ def main(argv=None) -> list[dict]:
                         help="rows per batch (default: the run's, scaled to keep the tokens per batch)")
     parser.add_argument("--rope-ntk-factor", type=float, default=None,
                         help="dynamic NTK scaling of RoPE past the trained length (models with RoPE only)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="evaluate under a sliding window: key j visible iff 0 <= i - j <= WINDOW (dense / focal "
+                             "models; e.g. pretrained weights zero-shot, the Focus paper's Table 1 baseline)")
     parser.add_argument("--impl", choices=IMPLS, default=None,
                         help="attention implementation of the hard rows (of the one row of a non-Focus model)")
     parser.add_argument("--out", help="write the rows (and the settings) as JSON here")
     args = parser.parse_args(argv)
-    run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size)
+    try:
+        run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
+                       step=args.step)
+    except ValueError as e:
+        parser.error(str(e))
     model = run.model
     if args.rope_ntk_factor is not None:
         if any(c.rope_theta is None for c in attention_configs(model)):
             parser.error(f"--rope-ntk-factor={args.rope_ntk_factor} needs rotary embeddings; this "
                          f"{type(model).__name__} model has none")
         model = attention_view(model, rope_ntk_factor=args.rope_ntk_factor, rope_trained_len=run.trained_seq_len)
+    if args.window is not None:
+        try:
+            model = attention_view(model, window=args.window)
+        except ValueError as e:
+            parser.error(str(e))
     topk = args.topk if args.topk is not None else ("all" if is_focus(model) else None)
     print(f"perplexity of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
           f"{np.shape(run.batches[0]['inputs'])} tokens (trained at {run.trained_seq_len})", flush=True)
@@ -343,7 +357,7 @@ def main(argv=None) -> list[dict]:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         settings = dict(workdir=args.workdir, step=run.step, seq_len=run.seq_len, trained_seq_len=run.trained_seq_len,
-                        batches=len(run.batches), rope_ntk_factor=args.rope_ntk_factor)
+                        batches=len(run.batches), rope_ntk_factor=args.rope_ntk_factor, window=args.window)
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")

@@ -41,7 +41,7 @@ from focal_jax.data.synthetic import Example, make_examples, score
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.generate import _attention_layers
-from focal_jax.nn.retrofit import FocusConfig, retrofit
+from focal_jax.nn.retrofit import replace_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,17 +278,22 @@ def plot_recall(rows: list[dict], png: str, *, title: str | None = None) -> str:
 
 def with_topk(model, topk: int):
     """`model` (a Focus `Llama` / `GPT2`) switched in place to hard top-`topk` routing, every other setting and
-    parameter kept (a Focus retrofit onto itself, `focal_jax.nn.retrofit`). Raises ValueError naming `topk` for a
-    model without Focus or a `topk` outside [1, focus_groups]."""
+    parameter kept (`focal_jax.nn.retrofit.replace_attention(model, focus_topk=topk)`). Raises ValueError naming
+    `topk` for a model without Focus or a `topk` outside [1, focus_groups]."""
     configs = [attn.config for attn in _attention_layers(model)]
     kinds = sorted({c.kind for c in configs})
     if any(kind not in FOCUS_KINDS for kind in kinds):
         raise ValueError(f"topk={topk!r} needs a Focus model (kind in {FOCUS_KINDS}), this one has kind {kinds}")
-    c = configs[0]
-    focus = FocusConfig(groups=c.focus_groups, dim=c.focus_dim, window=c.focus_window, tau=c.focus_tau,
-                        iters=c.focus_iters, gate=c.focus_gate, lam=c.focus_lam, topk=topk, causal=c.focus_causal,
-                        assign=c.focus_assign)
-    return retrofit(model, focus)
+    return replace_attention(model, focus_topk=topk)
+
+
+def with_rope_ntk(model, factor: float, *, trained_len: int):
+    """`model` (a `Llama`) switched in place to dynamic NTK RoPE scaling past `trained_len` tokens
+    (`focal_jax.nn.layers.dynamic_ntk_theta`). Raises ValueError for a model without rotary embeddings (GPT-2)."""
+    if any(attn.config.rope_theta is None for attn in _attention_layers(model)):
+        raise ValueError(f"rope_ntk_factor={factor!r} needs rotary embeddings; this {type(model).__name__} model "
+                         f"has none")
+    return replace_attention(model, rope_ntk_factor=factor, rope_trained_len=trained_len)
 
 
 def _int_list(text: str) -> list[int]:
@@ -302,6 +307,7 @@ def main(argv=None) -> list[dict]:
     """Command line (see the module docstring): evaluate a run directory's model, print and save the results."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.recall", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", required=True, help="focal_jax run directory (checkpoint, tokenizer)")
+    parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {','.join(TASKS)}")
     parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated target prompt lengths in tokens")
@@ -309,6 +315,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
+    parser.add_argument("--rope-ntk-factor", type=float, default=None,
+                        help="dynamic NTK scaling of RoPE past the trained length (models with RoPE only)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
     parser.add_argument("--out", default=None, help="output directory (default: the workdir)")
@@ -324,11 +332,13 @@ def main(argv=None) -> list[dict]:
         for task in tasks:
             _check_task(task)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else workdir_tokenizer(workdir)
-        step, _ = read_meta(workdir)
-        print(f"recall: loading {workdir} (step {step})", flush=True)
-        model = load_model(workdir)
+        model = load_model(workdir, step=args.step)
+        step, meta = read_meta(workdir, args.step)
+        print(f"recall: loaded {workdir} (step {step})", flush=True)
         if args.topk is not None:
             model = with_topk(model, args.topk)
+        if args.rope_ntk_factor is not None:
+            model = with_rope_ntk(model, args.rope_ntk_factor, trained_len=meta["config"]["data"]["seq_len"])
         rows = recall_suite(model, tokenizer, tasks=tasks, lengths=args.lengths, n_examples=args.n, seed=args.seed,
                             batch_size=args.batch_size, log=lambda line: print(line, flush=True))
     except (FileNotFoundError, ValueError) as e:
@@ -336,7 +346,8 @@ def main(argv=None) -> list[dict]:
     print(format_table(rows))
     out = os.path.abspath(os.path.expanduser(args.out or workdir))
     os.makedirs(out, exist_ok=True)
-    record = {"workdir": workdir, "step": step, "topk": args.topk, "seed": args.seed, "rows": rows}
+    record = {"workdir": workdir, "step": step, "topk": args.topk, "rope_ntk_factor": args.rope_ntk_factor,
+              "seed": args.seed, "rows": rows}
     with open(os.path.join(out, "recall.json"), "w") as f:
         json.dump(record, f, indent=2)
     label = f"{os.path.basename(workdir)} (step {step}{f', top-{args.topk}' if args.topk else ''})"

@@ -111,7 +111,7 @@ def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_
     b, t0 = prompt.shape
     total = t0 + max_new_tokens
     cache = init_cache(model, b, total)
-    logits, cache = model(prompt, cache=cache)
+    logits, cache = model(prompt, cache=cache, logits_at=jnp.full((b, 1), t0 - 1))  # the last row's only
     keys = jax.random.split(rng, max_new_tokens)
     first = sample_logits(logits[:, -1], keys[0], temperature=temperature, top_p=top_p)
     out = jnp.zeros((b, total), jnp.int32).at[:, :t0].set(prompt.astype(jnp.int32)).at[:, t0].set(first)

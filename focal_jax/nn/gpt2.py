@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import apply_block
+from focal_jax.nn.layers import apply_block, rows_at
 
 ACTIVATIONS = {
     # Hugging Face names -> jax.nn.gelu's `approximate` flag.
@@ -34,8 +34,9 @@ ACTIVATIONS = {
 }
 
 # Fields of GPT2Config passed as they are to AttentionConfig.
-ATTENTION_FIELDS = ("kind", "impl", "focal_t", "tau_min", "tau_max", "focus_groups", "focus_dim", "focus_window",
-                    "focus_tau", "focus_iters", "focus_gate", "focus_lam", "focus_topk", "focus_causal")
+ATTENTION_FIELDS = ("kind", "impl", "focal_t", "tau_min", "tau_max", "tau_mode", "focus_groups", "focus_dim",
+                    "focus_window", "focus_tau", "focus_iters", "focus_gate", "focus_lam", "focus_topk", "focus_causal",
+                    "focus_assign", "window", "softcap")
 
 
 def _check_int(name, value, minimum=1):
@@ -50,7 +51,11 @@ class GPT2Config:
     vocab_size [vocab_size], n_positions [n_positions], d_model [n_embd], n_layers [n_layer], n_heads [n_head],
     layer_norm_eps [layer_norm_epsilon], d_ff [n_inner; None = 4 * d_model], activation [activation_function].
     remat: recompute each block in the backward pass instead of keeping its activations (training memory).
-    The attention fields (kind ... focus_causal) have the meaning of `focal_jax.nn.attention.AttentionConfig`.
+    The attention fields (kind ... softcap, `ATTENTION_FIELDS`) have the meaning of
+    `focal_jax.nn.attention.AttentionConfig` and are checked by it (an error names the field), e.g. `window=w`: a
+    sliding window, key j visible to query i iff `0 <= i - j <= w` (kinds dense / focal / focal_learned; None = full
+    causal attention); `tau_mode` for 'focal_learned'; `focus_assign` for the Focus kinds; `softcap` on the logits.
+    Hugging Face's GPT-2 has none of these (`focal_jax.convert.gpt2` keeps their defaults).
     """
 
     vocab_size: int = 50257
@@ -77,6 +82,10 @@ class GPT2Config:
     focus_lam: float = 10.0
     focus_topk: int | None = None
     focus_causal: bool = False
+    focus_assign: str = "sinkhorn"
+    tau_mode: str = "prefix"
+    window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "d_model", "n_layers", "n_heads"):
@@ -92,17 +101,27 @@ class GPT2Config:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"GPT2Config.activation must be one of {sorted(ACTIVATIONS)}, "
                              f"got activation={self.activation!r}")
-        self.attention_config()  # AttentionConfig validates the attention fields
+        try:
+            self.attention_config()  # AttentionConfig validates the attention fields, naming the bad one
+        except ValueError as e:
+            raise ValueError(f"GPT2Config: {e}") from None
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     @property
+    def attention(self) -> AttentionConfig:
+        """`attention_config()`, under the name `LlamaConfig` uses."""
+        return self.attention_config()
+
+    @property
     def ff_dim(self) -> int:
         return 4 * self.d_model if self.d_ff is None else self.d_ff
 
     def attention_config(self) -> AttentionConfig:
+        """The `AttentionConfig` of every layer: GPT-2's shape (MHA, qkv and output biases, no rotary embedding)
+        and the attention fields of this config."""
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_heads,
                                head_dim=self.head_dim, qkv_bias=True, out_bias=True, rope_theta=None,
                                **{name: getattr(self, name) for name in ATTENTION_FIELDS})
@@ -154,9 +173,10 @@ class GPT2(nnx.Module):
         self.h = nnx.List([GPT2Block(config, rngs=rngs) for _ in range(config.n_layers)])
         self.ln_f = nnx.LayerNorm(config.d_model, epsilon=config.layer_norm_eps, rngs=rngs)
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, V]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
-        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given."""
+        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
+        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, V]`."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integers of shape [batch, seq], got shape {tokens.shape} "
@@ -190,7 +210,7 @@ class GPT2(nnx.Module):
             else:
                 x, layer_cache = block(x, positions=positions, cache=cache["layers"][i], cache_index=cache["index"])
                 layer_caches.append(layer_cache)
-        x = self.ln_f(x)
+        x = self.ln_f(rows_at(x, logits_at))
         embedding = self.wte.embedding[...]
         logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embedding.astype(jnp.float32))
         if cache is None:

@@ -93,3 +93,16 @@ def apply_block(block, x, *, positions, segment_ids=None, remat: bool = False):
     def call(block, x, positions, segment_ids):
         return block(x, positions=positions, segment_ids=segment_ids)
     return nnx.remat(call)(block, x, positions, segment_ids) if remat else call(block, x, positions, segment_ids)
+
+
+def rows_at(x, logits_at):
+    """`x [B, T, d]` at the sequence indices `logits_at [B, P]` (integers in [0, T)) -> `[B, P, d]`; `x` itself when
+    `logits_at` is None. The models project only these rows onto the vocabulary, so a long prompt's prefill need
+    not hold `[B, T, vocab]` logits."""
+    if logits_at is None:
+        return x
+    logits_at = jnp.asarray(logits_at)
+    if logits_at.ndim != 2 or logits_at.shape[0] != x.shape[0] or not jnp.issubdtype(logits_at.dtype, jnp.integer):
+        raise ValueError(f"logits_at must be integer indices [batch, n] with batch {x.shape[0]}, got shape "
+                         f"{logits_at.shape} dtype {logits_at.dtype}")
+    return jnp.take_along_axis(x, logits_at[:, :, None], axis=1, mode="clip")

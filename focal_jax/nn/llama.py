@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block
+from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, rows_at
 
 _DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
             "rope_theta")
@@ -134,9 +134,10 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, vocab]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
-        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given."""
+        tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
+        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, vocab]`."""
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
@@ -158,7 +159,7 @@ class Llama(nnx.Module):
             else:
                 x, layer_cache = layer(x, positions=positions, cache=cache["layers"][i], cache_index=index)
                 layer_caches.append(layer_cache)
-        x = self.norm(x).astype(jnp.float32)
+        x = self.norm(rows_at(x, logits_at)).astype(jnp.float32)
         if self.config.tie_embeddings:
             w = self.embed_tokens.embedding[...].astype(jnp.float32).T
         else:

@@ -20,6 +20,10 @@ Combining: Focal (constant) then Focus, or Focus then Focal, gives kind 'focal+f
 model that already has Focus with the same `groups` and `dim` keeps the trained centroids and only changes the
 settings (e.g. soft gate for training, then `topk=` for hard inference).
 
+`replace_attention(model, window=128)` changes attention settings that add or remove no parameters (a sliding
+window, the implementation, hard top-k, a temperature, ...) in place; `retrofit(model, WindowConfig(128))` is the
+same change as a retrofit step (the trainer's `retrofit.window`).
+
 New parameters are created by `Attention.__init__` itself: a fresh `Attention` with the new config is built under
 `jax.jit` for each layer, and only its `Centroid` / `Temperature` leaves are returned (XLA drops the unused
 projections), so their initialisation cannot drift from the module's.
@@ -32,7 +36,7 @@ import re
 import jax
 from flax import nnx
 
-from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.attention import CUSTOM_KINDS, FOCUS_KINDS, KINDS, Attention, AttentionConfig
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.lora import LoRAConfig, add_lora
@@ -124,6 +128,21 @@ class FocalConfig:
         return {"focal_t": self.t}
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowConfig:
+    """A sliding window to put on a loaded model's attention (the trainer's `retrofit.window`): key j is visible to
+    query i iff `0 <= i - j <= window` (w + 1 keys, self included; Hugging Face's `sliding_window` is w + 1), the
+    same as `jax.nn.dot_product_attention(local_window_size=(window, 0))`. No parameters are added: `retrofit`
+    applies it with `replace_attention(model, window=window)`. For attention kinds 'dense', 'focal' and
+    'focal_learned'; a Focus kind has its own local window (`FocusConfig.window`)."""
+
+    window: int
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"WindowConfig: window must be an integer >= 0, got window={self.window!r}")
+
+
 def _new_kind(current: str, config) -> str:
     """The attention kind after retrofitting `config` onto a layer of kind `current`."""
     if isinstance(config, FocusConfig):
@@ -176,7 +195,7 @@ def _updated_model_config(model, changes: dict):
         config = dataclasses.replace(model.config, attn={**dict(model.config.attn), **changes})
         return config, config.attention
     if isinstance(model, GPT2):
-        # GPT2Config carries the paper's attention fields only: a field it lacks may only take its default.
+        # GPT2Config carries ATTENTION_FIELDS (all but the RoPE ones): a field it lacks may only take its default.
         defaults = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
         for name in sorted(set(changes) - set(ATTENTION_FIELDS)):
             if changes[name] != defaults[name]:
@@ -188,13 +207,130 @@ def _updated_model_config(model, changes: dict):
     raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
 
 
+# AttentionConfig fields fixed by the model's architecture (its parameter shapes, its norms and rotary base):
+# `replace_attention` never changes them.
+ARCHITECTURE_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
+                       "rope_theta", "focus_groups", "focus_dim")
+# The fields `replace_attention` changes (`kind` only between kinds with the same parameters).
+REPLACEABLE_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ARCHITECTURE_FIELDS)
+# Fields read by some kinds only: changing one on a layer of another kind would change nothing, so it is refused.
+_FIELD_KINDS = {"focal_t": ("focal", "focal+focus"), "tau_min": ("focal_learned",), "tau_max": ("focal_learned",),
+                "tau_mode": ("focal_learned",), "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
+                **{f.name: FOCUS_KINDS for f in dataclasses.fields(AttentionConfig)
+                   if f.name.startswith("focus_") and f.name not in ARCHITECTURE_FIELDS}}
+
+
+@functools.lru_cache(maxsize=64)
+def _param_specs(config: AttentionConfig) -> dict:
+    """{parameter path: (Variable type, shape)} of every parameter `Attention(config)` creates (shapes only)."""
+    abstract = nnx.eval_shape(lambda: Attention(config, rngs=nnx.Rngs(0)))
+    return {".".join(map(str, path)): (type(var), tuple(var.get_value().shape))
+            for path, var in nnx.to_flat_state(nnx.state(abstract))}
+
+
+def replace_attention(model, *, allow_unused: bool = False, **changes):
+    """Change attention settings that add or remove no parameters on every `Attention` module of `model` (a `Llama`
+    or `GPT2`) in place, and update `model.config` to match; returns `model`.
+
+    Examples: `replace_attention(model, window=128)` (a sliding window: key j visible to query i iff
+    `0 <= i - j <= 128`, e.g. pretrained weights evaluated under a window), `impl='decomposed'`, `focus_topk=2`
+    (hard top-k Focus), `focal_t=0.3`, `rope_ntk_factor=2.0, rope_trained_len=2048`, `kind='focal'` on a dense
+    model. Every parameter array stays as it is; the forward of the changed model equals that of a model built with
+    the changed config from the start and given the same parameters.
+
+    Args:
+      model: a focal_jax `Llama` or `GPT2` (also an abstract one from `nnx.eval_shape`).
+      allow_unused: also allow a `kind` that uses only some of the layer's parameters (e.g. a Focus model viewed
+        as 'dense', its `Centroid`s kept but unused), for evaluation views (`focal_jax.eval.diagnostics.
+        attention_view`); the model then holds parameters a fresh model of its config would not have.
+      **changes: `AttentionConfig` fields (`REPLACEABLE_FIELDS`) and their new values. None at all is allowed (the
+        model is returned unchanged).
+
+    Raises:
+      ValueError, naming the field: a field outside `REPLACEABLE_FIELDS` (the architecture's, such as `n_heads` or
+        `focus_groups`; the allowed ones are listed); a `kind` that needs new parameters (e.g. 'dense' -> 'focus':
+        that is `retrofit`'s job) or that leaves some unused (unless `allow_unused`); a field that the (new) kind
+        does not read, set to a new value (e.g. `focal_t` on 'dense', `focus_topk` on 'focal'); any value
+        `AttentionConfig` refuses (e.g. `window` on a Focus kind, `focus_topk` > `focus_groups`); a field GPT-2's
+        config lacks (RoPE scaling) set on a GPT-2; another model type; layers whose configs differ from the
+        model's config.
+    """
+    if not isinstance(model, (Llama, GPT2)):
+        raise ValueError(f"replace_attention supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
+    if not isinstance(allow_unused, bool):
+        raise ValueError(f"allow_unused must be a bool, got allow_unused={allow_unused!r}")
+    for name in changes:
+        if name not in REPLACEABLE_FIELDS:
+            if name in ARCHITECTURE_FIELDS:
+                why = "a field of the model's architecture (its parameter shapes, norms or rotary base)"
+            else:
+                why = "not an AttentionConfig field"
+            raise ValueError(f"replace_attention cannot change {name}={changes[name]!r}: {why}; it changes "
+                             f"{REPLACEABLE_FIELDS}")
+    modules = _attention_modules(model)
+    if not modules or not changes:
+        return model
+
+    # ---- Check every layer's new config before touching the model.
+    news = []
+    for path, attn in modules:
+        where = ".".join(map(str, path))
+        old = attn.config
+        new = dataclasses.replace(old, **changes)  # validates; errors name the AttentionConfig field
+        for name, value in changes.items():
+            kinds = _FIELD_KINDS.get(name)
+            if kinds is not None and value != getattr(old, name) and new.kind not in kinds:
+                raise ValueError(f"{name}={value!r} would change nothing on attention kind={new.kind!r} (at "
+                                 f"{where}): it is read by kinds {kinds}")
+        old_params, new_params = _param_specs(old), _param_specs(new)
+        added = sorted(n for n in new_params if old_params.get(n) != new_params[n])
+        if added:
+            raise ValueError(f"kind={old.kind!r} -> {new.kind!r} needs parameters the layer ({where}) does not have: "
+                             f"{added}; adding parameters is a retrofit (focal_jax.nn.retrofit.retrofit with a "
+                             f"FocusConfig or FocalConfig), replace_attention changes settings only")
+        unused = sorted(set(old_params) - set(new_params))
+        if unused and not allow_unused:
+            raise ValueError(f"kind={old.kind!r} -> {new.kind!r} would leave the parameters {unused} of {where} "
+                             f"unused (the model would no longer match its config); pass allow_unused=True for an "
+                             f"evaluation view")
+        news.append(new)
+    model_config, model_attention = _updated_model_config(model, changes)
+    for (path, _), new in zip(modules, news):
+        if new != model_attention:
+            raise ValueError(f"layer {'.'.join(map(str, path))} has an attention config that differs from the "
+                             f"model's config; replace_attention keeps them equal and cannot here")
+
+    # ---- Apply.
+    for (_, attn), new in zip(modules, news):
+        attn.config = new
+    model.config = model_config
+    return model
+
+
+def _retrofit_window(model, config: WindowConfig, impl: str | None):
+    """`retrofit` of a `WindowConfig`: the sliding window through `replace_attention`."""
+    for path, attn in _attention_modules(model):
+        c = attn.config
+        if c.kind in FOCUS_KINDS:
+            raise ValueError(f"cannot put a sliding window (window={config.window}) on attention kind={c.kind!r} "
+                             f"(at {'.'.join(map(str, path))}): Focus has its own local window (focus_window="
+                             f"{c.focus_window}, FocusConfig.window); a window is for kinds 'dense', 'focal', "
+                             f"'focal_learned'")
+        if c.kind in CUSTOM_KINDS:
+            raise ValueError(f"cannot put a sliding window (window={config.window}) on the registered attention "
+                             f"kind={c.kind!r}: its function does not read window")
+    return replace_attention(model, window=config.window, **({} if impl is None else {"impl": impl}))
+
+
 def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | None = None, dtype=None):
     """Put Focus or Focal attention into `model` (a `Llama` or `GPT2`) in place and return it.
 
     Args:
       model: a loaded model, e.g. from `focal_jax.convert.hf.from_hf`.
       config: `FocusConfig` or `FocalConfig`; a `focal_jax.nn.lora.LoRAConfig` is handed to `add_lora` (the LoRA
-        baseline: `LoRA` parameters on the attention projections, the attention kind unchanged).
+        baseline: `LoRA` parameters on the attention projections, the attention kind unchanged); a `WindowConfig`
+        puts a sliding window on the attention (`replace_attention(model, window=...)`, no new parameters; kinds
+        'dense', 'focal', 'focal_learned' only).
       rngs: `nnx.Rngs` or an integer seed for the new parameters (default seed 0). One key per layer is drawn
         from `rngs.params()`.
       impl: optionally also switch the attention implementation (e.g. 'decomposed' for hard top-k Focus).
@@ -209,13 +345,16 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
       ValueError: an unsupported model type, a combination no attention kind expresses (learned Focal with Focus),
         a change that would drop parameters (constant Focal onto learned Focal), a Focus retrofit onto a model
         with a sliding window (Mistral's `window`) or with different `groups` / `dim` than the Focus it already
-        has, or any invalid resulting `AttentionConfig` field (named).
+        has, a `WindowConfig` on a Focus model (naming both windows), or any invalid resulting `AttentionConfig`
+        field (named).
     """
-    if not isinstance(config, (FocusConfig, FocalConfig, LoRAConfig)):
-        raise ValueError(f"config must be a FocusConfig or FocalConfig (or a LoRAConfig), got "
+    if not isinstance(config, (FocusConfig, FocalConfig, LoRAConfig, WindowConfig)):
+        raise ValueError(f"config must be a FocusConfig or FocalConfig (or a LoRAConfig or WindowConfig), got "
                          f"{type(config).__name__}")
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
+    if isinstance(config, WindowConfig):
+        return _retrofit_window(model, config, impl)
     if rngs is None or isinstance(rngs, int):
         rngs = nnx.Rngs(params=0 if rngs is None else rngs)
     if isinstance(config, LoRAConfig):

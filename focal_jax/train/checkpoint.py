@@ -63,6 +63,11 @@ def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
     return step, meta
 
 
+def saved_steps(workdir: str) -> list[int]:
+    """The steps of the checkpoints a workdir keeps, in order (empty if none)."""
+    return sorted(make_manager(workdir, create=False).all_steps())
+
+
 def saved_param_paths(workdir: str, step: int) -> dict[str, tuple]:
     """`{path: shape}` of the parameters saved in a workdir's checkpoint `step` (read from metadata only)."""
     manager = make_manager(workdir, create=False)

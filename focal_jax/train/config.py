@@ -3,7 +3,7 @@ frozen dataclasses the code uses (so that an unknown or misspelt key fails at on
 
     seed, total_steps, batch_size (global sequences per step), log_every, eval_every, eval_batches, ckpt_every,
     keep_checkpoints, mesh {data, fsdp, tensor}, compute_dtype, param_dtype, init_from, balance_weight (the Focus
-    balance loss, `focal_jax.train.trainer.balance_loss`; 0 = off), retrofit {focus, focal, lora},
+    balance loss, `focal_jax.train.trainer.balance_loss`; 0 = off), retrofit {window, focal, focus, lora},
     model {family, size, <LlamaConfig / GPT2Config fields>}, data {DataConfig fields}, optim {OptimConfig fields}
 """
 
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import ml_collections
 
 from focal_jax.data.config import DataConfig
+from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
 from focal_jax.nn.lora import LoRAConfig
-from focal_jax.nn.retrofit import FocalConfig, FocusConfig
+from focal_jax.nn.retrofit import FocalConfig, FocusConfig, WindowConfig
 from focal_jax.train.optimizer import OptimConfig
 
 FAMILIES = ("llama", "gpt2", "hf")
@@ -43,8 +44,11 @@ def default_config() -> ml_collections.ConfigDict:
     # Weight of the auxiliary group-balance loss of Focus layers (trainer.balance_loss), added to the LM loss; 0 = off.
     config.balance_weight = 0.0
     # Each None or a dict of FocusConfig / FocalConfig / LoRAConfig fields, e.g. lora = {"rank": 4, "alpha": 8.0,
-    # "targets": "qkvo"}; applied in the order focal, focus, lora.
-    config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None, "lora": None})
+    # "targets": "qkvo"}; window: None or an int w, a sliding window put on the loaded model's attention (key j
+    # visible iff 0 <= i - j <= w; WindowConfig, any model family, kinds dense / focal / focal_learned). Applied in
+    # the order window, focal, focus, lora.
+    config.retrofit = ml_collections.ConfigDict({"focus": None, "focal": None, "lora": None,
+                                                 "window": ml_collections.FieldReference(None, field_type=int)})
     config.model = ml_collections.ConfigDict({"family": "llama", "size": "tiny"})
     config.data = _section(DataConfig())
     config.optim = _section(OptimConfig())
@@ -104,7 +108,7 @@ class RunConfig:
     balance_weight: float
     family: str
     model: LlamaConfig | GPT2Config | None  # None for family 'hf' (the architecture comes from init_from)
-    retrofit: tuple  # FocalConfig / FocusConfig / LoRAConfig, applied in this order
+    retrofit: tuple  # WindowConfig / FocalConfig / FocusConfig / LoRAConfig, applied in this order
     data: DataConfig
     optim: OptimConfig
     raw: ml_collections.ConfigDict  # the config as given, stored in checkpoints
@@ -138,9 +142,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     _check_keys("", config.keys(), defaults.keys())
     merged = {k: config.get(k, defaults[k]) for k in defaults.keys()}
     for name in ("total_steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
-        value = merged[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
+        value, least = merged[name], 0 if name == "total_steps" else 1  # 0 steps: a zero-shot baseline
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {name}={value!r}")
     if not isinstance(merged["eval_batches"], int) or merged["eval_batches"] < 0:
         raise ValueError(f"eval_batches must be an integer >= 0, got eval_batches={merged['eval_batches']!r}")
     for name in ("compute_dtype", "param_dtype"):
@@ -152,8 +156,17 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     mesh = _as_dict(merged["mesh"])
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     retrofit_section = _as_dict(merged["retrofit"])
-    _check_keys("retrofit.", retrofit_section, ("focus", "focal", "lora"))
+    _check_keys("retrofit.", retrofit_section, ("focus", "focal", "lora", "window"))
     retrofit = []
+    window = retrofit_section.get("window")
+    if window is not None:
+        if retrofit_section.get("focus"):
+            raise ValueError(f"retrofit.window={window!r} and retrofit.focus do not go together: Focus has its own "
+                             f"local window (retrofit.focus.window)")
+        try:
+            retrofit.append(WindowConfig(window))
+        except ValueError as e:
+            raise ValueError(f"retrofit.window: {e}") from None
     if retrofit_section.get("focal"):
         retrofit.append(_dataclass(FocalConfig, "retrofit.focal.", _as_dict(retrofit_section["focal"])))
     if retrofit_section.get("focus"):
@@ -161,6 +174,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     if retrofit_section.get("lora"):
         retrofit.append(_dataclass(LoRAConfig, "retrofit.lora.", _as_dict(retrofit_section["lora"])))
     family, model = model_config(_as_dict(merged["model"]))
+    if window is not None and model is not None and model.attention.kind in FOCUS_KINDS:
+        raise ValueError(f"retrofit.window={window!r} cannot go on model attention kind={model.attention.kind!r}: "
+                         f"Focus has its own local window (focus_window={model.attention.focus_window})")
     init_from = merged["init_from"]
     if family == "hf" and not init_from:
         raise ValueError("model.family='hf' builds the model from a Hugging Face directory: set init_from")
@@ -177,23 +193,29 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config)
 
 
-# Keys that may change when a run resumes from its own workdir (everything else must match the stored config).
+# Keys (dotted) that may change when a run resumes from its own workdir (everything else must match the stored
+# config).
 RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-                     "mesh")
-# Top-level keys added after runs were stored: a stored config without one equals the key at this default.
-ADDED_KEYS = {"balance_weight": 0.0}
+                     "mesh", "data.prefetch")
+# Keys (dotted) added after runs were stored: a stored config without one equals the key at this default.
+ADDED_KEYS = {"balance_weight": 0.0, "data.eval_paths": [], "data.streaming": False, "data.shard_by": "file",
+              "data.shuffle_window": 0, "data.interleave": 1, "data.prefetch": 2}
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES`."""
+    """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES` and keys of
+    `ADDED_KEYS` that one side lacks and the other holds at their default."""
     diffs = []
     for key in sorted(set(stored) | set(current)):
-        if not prefix and key in RESUMABLE_CHANGES:
+        full = prefix + key
+        if full in RESUMABLE_CHANGES:
             continue
         a, b = stored.get(key), current.get(key)
-        if not prefix and key in ADDED_KEYS:
-            a = ADDED_KEYS[key] if key not in stored else a
-            b = ADDED_KEYS[key] if key not in current else b
+        if full in ADDED_KEYS:
+            a = ADDED_KEYS[full] if key not in stored else a
+            b = ADDED_KEYS[full] if key not in current else b
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            a, b = list(a), list(b)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_differences(a, b, f"{prefix}{key}.")
         elif a != b:

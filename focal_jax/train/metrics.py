@@ -150,8 +150,8 @@ class Progress:
     """
 
     def __init__(self, total_steps: int, initial_step: int = 0, enabled: bool | None = None):
-        if total_steps < 1 or not 0 <= initial_step <= total_steps:
-            raise ValueError(f"need total_steps >= 1 and 0 <= initial_step <= total_steps, got {total_steps=}, "
+        if total_steps < 0 or not 0 <= initial_step <= total_steps:
+            raise ValueError(f"need total_steps >= 0 and 0 <= initial_step <= total_steps, got {total_steps=}, "
                              f"{initial_step=}")
         enabled = jax.process_index() == 0 if enabled is None else enabled
         self.bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step", file=sys.stderr,

@@ -39,9 +39,15 @@ def log(message: str):
 
 
 def build_model(run: RunConfig, *, seed: int):
-    """The model of `run` with freshly initialised parameters, or loaded from a Hugging Face `init_from`."""
+    """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
+    holds: a Hugging Face directory, or a focal_jax run directory (the whole model of that run, rebuilt from its own
+    base with its retrofits and trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging
+    Face directory)."""
     if run.family == "hf":
-        return from_hf(run.init_from)
+        if checkpoint.is_hf_directory(run.init_from):
+            return from_hf(run.init_from)
+        log(f"model: the model of the run {run.init_from}")
+        return load_model(run.init_from)
     cls = GPT2 if run.family == "gpt2" else Llama
     return cls(run.model, rngs=nnx.Rngs(seed))
 
@@ -52,19 +58,19 @@ def new_param_paths(model) -> set[str]:
     return set(param_paths(nnx.state(model, NEW_TYPES)))
 
 
-def load_pretrained(model, workdir: str, *, with_base: bool = True):
-    """Copy the parameters of a focal_jax workdir's latest checkpoint into `model` in place. Parameters the
-    checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself started from a
-    pretrained model (trainable parameters only) first loads its own `init_from` (unless `with_base=False`: the
-    model already holds it). Returns the model."""
-    step, meta = checkpoint.read_meta(workdir)
+def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | None = None):
+    """Copy the parameters of a focal_jax workdir's latest checkpoint (or of checkpoint `step`) into `model` in
+    place. Parameters the checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself
+    started from a pretrained model (trainable parameters only) first loads its own `init_from` (unless
+    `with_base=False`: the model already holds it). Returns the model."""
+    step, meta = checkpoint.read_meta(workdir, step)
     if meta.get("params_scope") == "trainable" and with_base:
         base = meta.get("init_from")
         if not base:
             raise ValueError(f"{workdir!r} saved only its trainable parameters but records no init_from")
         if checkpoint.is_hf_directory(base):
-            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}: use model.family="
-                             f"'hf' with init_from={base!r} and resume that run instead")
+            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}: a run that starts "
+                             f"from it takes its architecture from it, model.family='hf' with init_from={workdir!r}")
         load_pretrained(model, base)
     saved = checkpoint.saved_param_paths(workdir, step)
     state = nnx.state(model, nnx.Param)
@@ -87,8 +93,9 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True):
     shardings = jax.tree.map(lambda x: x.sharding, loaded)
     values = checkpoint.load_params(workdir, step, loaded, shardings)
     nnx.update(model, values)
+    new = sorted(missing) if meta.get("params_scope") != "trainable" else []  # else the rest is the run's base
     log(f"loaded {len(saved)} parameters of {workdir} (step {step})"
-        + (f"; new: {sorted(missing)[:4]}{' ...' if len(missing) > 4 else ''}" if missing else ""))
+        + (f"; new: {new[:4]}{' ...' if len(new) > 4 else ''}" if new else ""))
     return model
 
 
@@ -106,12 +113,16 @@ def init_model(run: RunConfig):
     return model
 
 
-def load_model(workdir: str):
-    """The model of a focal_jax run directory with the parameters of its latest checkpoint (for evaluation,
-    generation, export)."""
-    _, meta = checkpoint.read_meta(workdir)
+def load_model(workdir: str, *, step: int | None = None):
+    """The model of a focal_jax run directory with the parameters of its latest checkpoint, or of checkpoint
+    `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one."""
+    if step is not None:
+        saved = checkpoint.saved_steps(workdir)
+        if step not in saved:
+            raise ValueError(f"{workdir!r} has no checkpoint at step={step}; saved steps: {saved}")
+    _, meta = checkpoint.read_meta(workdir, step)
     model = init_model(check_config(ml_collections.ConfigDict(meta["config"])))  # holds the run's init_from
-    return load_pretrained(model, workdir, with_base=False)
+    return load_pretrained(model, workdir, with_base=False, step=step)
 
 
 def matmul_param_count(model) -> int:
@@ -291,8 +302,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
 
     # ---------------------------------------------------------------- Data
     data = build_data(run.data, global_batch=run.batch_size, seed=run.seed, workdir=workdir)
-    log(f"data: {run.data.source}, {data.n_train_rows} rows of {run.data.seq_len} tokens "
-        f"({data.n_train_tokens:,} tokens), vocab {data.tokenizer.vocab_size}")
+    log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
 
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
     model = init_model(run)
@@ -352,7 +362,13 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     writer = MetricWriter(workdir, resume_step=start_step)
     progress = Progress(run.total_steps, initial_step=start_step)
     logged, last_time, last_step = [], time.perf_counter(), start_step
-    with StopSignal() as stop:
+    # The mesh context lets the Pallas kernels run per shard (`focal_jax.kernels.partition`); the steps trace here.
+    with StopSignal() as stop, jax.set_mesh(mesh):
+        if run.total_steps == 0 and resume_step is None:  # a zero-shot baseline: the starting model, evaluated, saved
+            if eval_batches:
+                writer.write(0, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
+            checkpoint.save(manager, 0, params=trainable, opt_state=opt_state, data_state=data_iter.get_state(),
+                            meta={**meta, "step": 0}, force=True)
         for step in range(start_step + 1, run.total_steps + 1):
             batch = shard_batch(next(data_iter), mesh)
             trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)

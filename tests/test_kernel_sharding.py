@@ -1,0 +1,187 @@
+"""The Pallas kernels inside a partitioned (multi-device) jitted step: under a mesh they run per shard
+(`focal_jax.kernels.partition`, a `shard_map` over batch and heads), with the same values and gradients as the
+reference, and no all-gather of their operands; their GPU and TPU lowerings see per-shard shapes. 8 fake CPU
+devices (conftest), interpret mode."""
+
+import math
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from focal_jax.attention import focus_sparse_attention, reference, topk_membership
+from focal_jax.kernels import focus_sparse as ks
+from focal_jax.kernels.partition import Layout, layout
+from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.train.sharding import batch_sharding, tree_shardings
+from helpers import assert_close, lowering_target, rand_qkv
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+
+
+def make_mesh(shape):
+    """A mesh over the first prod(shape) devices, Auto axes as the trainer's `make_mesh`."""
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=jax.devices()[:math.prod(shape)])
+
+
+def pallas_operand_shapes(fn, *args):
+    """The operand shapes of every `pallas_call` in the jaxpr of `fn(*args)` (nested jaxprs included)."""
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                calls.append([tuple(v.aval.shape) for v in eqn.invars])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return calls
+
+
+def assert_per_shard(calls, batch, heads):
+    """Every kernel operand has `batch` rows, and the query-head operands `heads` heads."""
+    assert calls
+    for shapes in calls:
+        assert {s[0] for s in shapes} == {batch}, shapes
+        assert max(s[1] for s in shapes if len(s) == 4) == heads, shapes
+
+
+def test_layout_splits_batch_and_heads_where_the_axes_divide():
+    mesh = make_mesh((2, 2, 2))
+    assert layout(None, 4, 4, 2) == Layout(None, None, 1)
+    assert layout(mesh, 4, 4, 2) == Layout(("data", "fsdp"), ("tensor",), 1)
+    assert layout(mesh, 2, 4, 4) == Layout(("data",), ("tensor",), 1)  # fsdp does not divide the rest
+    assert layout(mesh, 3, 4, 1) == Layout(None, ("tensor",), 2)       # MQA: the kv head repeated per shard
+    assert layout(mesh, 4, 6, 3) == Layout(("data", "fsdp"), ("tensor",), 2)
+    assert layout(mesh, 4, 3, 1) == Layout(("data", "fsdp"), None, 1)  # 3 heads on 2: replicated
+    assert layout(make_mesh((1, 1, 1)), 4, 4, 2) == Layout(None, None, 1)
+
+
+CASES = {  # name: (mesh shape (data, fsdp, tensor), batch, heads, kv heads)
+    "GQA, batch over data x fsdp, heads over tensor": ((2, 2, 2), 4, 4, 2),
+    "MQA, the kv head repeated per tensor shard": ((2, 1, 2), 2, 4, 1),
+    "heads that tensor does not divide, replicated": ((2, 1, 2), 2, 3, 1),
+}
+CONTRAST = "GQA, batch over data x fsdp, heads over tensor"  # also compiled outside the mesh context
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_focus_sparse_pallas_per_shard_equals_reference(name):
+    """A jitted loss + gradient (q, k, v and a per-query temperature) through `focus_sparse_attention(
+    impl='pallas')` on sharded inputs under `jax.set_mesh`: equal to the unsharded reference, each kernel sees
+    its shard only, and (when the heads split) the compiled step gathers nothing, while the same step outside the
+    mesh context gathers the kernels' operands."""
+    shape, b, h, hk = CASES[name]
+    mesh, t, d = make_mesh(shape), 40, 8
+    q, k, v = rand_qkv(len(name), b, t, h, hk, d)
+    temperature = jax.random.uniform(jax.random.key(1), (b, t, h), minval=0.5, maxval=2.0)
+    membership = topk_membership(jax.random.normal(jax.random.key(2), (b, t, 3)), 2)
+    segment_ids = (jnp.arange(t)[None] >= jnp.arange(b)[:, None] * 5 + 15).astype(jnp.int32)
+
+    def loss(attend):
+        def fn(q, k, v, temperature, membership, segment_ids):
+            out = attend(q, k, v, membership, window=5, temperature=temperature, segment_ids=segment_ids)
+            return jnp.sum(jnp.sin(out)), out
+        return jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True)
+
+    pallas = lambda *a, **kw: focus_sparse_attention(*a, **kw, impl="pallas", block_size=16)
+    (_, expected), expected_grads = loss(reference.focus_hard_attention)(q, k, v, temperature, membership,
+                                                                         segment_ids)
+
+    tensor = lambda n: "tensor" if n % mesh.shape["tensor"] == 0 else None  # as the trainer's projections
+    specs = (P(BATCH, None, tensor(h)), P(BATCH, None, tensor(hk)), P(BATCH, None, tensor(hk)),
+             P(BATCH, None, tensor(h)), P(BATCH), P(BATCH))
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    args = [jax.device_put(x, s) for x, s in zip((q, k, v, temperature, membership, segment_ids), shardings)]
+    step = jax.jit(loss(pallas))
+    split = layout(mesh, b, h, hk)
+    with jax.set_mesh(mesh):
+        (_, out), grads = step(*args)
+        calls = pallas_operand_shapes(step, *args)
+        compiled = step.lower(*args).compile().as_text() if split.heads else None
+    assert_close(out, expected, atol=1e-5, what=f"{name}: out")
+    for what, g, e in zip("qkvt", grads, expected_grads):
+        assert_close(g, e, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(e)))), what=f"{name}: d{what}")
+
+    assert_per_shard(calls, b // math.prod(mesh.shape[a] for a in split.batch),
+                     h // mesh.shape["tensor"] if split.heads else h)
+    if split.heads:
+        assert "all-gather" not in compiled
+    if name == CONTRAST:
+        outside = step.lower(*args).compile().as_text()  # no mesh context: XLA gathers around the opaque kernel
+        assert "all-gather" in outside
+        assert_per_shard(pallas_operand_shapes(step, *args), b, h)
+
+
+@pytest.mark.parametrize("kind,extra", [("focal_learned", {}),
+                                        ("focus", {"focus_topk": 2, "focus_groups": 3, "focus_window": 5})])
+def test_model_pallas_equals_xla_in_a_sharded_train_step(kind, extra):
+    """The model's `impl='pallas'` in a jitted loss + gradient over parameters sharded by the trainer's rules and
+    a batch split over data x fsdp (mesh 2 x 2 x 2, GQA 4 / 2 heads), under `jax.set_mesh`: equal to
+    `impl='xla'`, with the kernels on per-shard operands."""
+    mesh = make_mesh((2, 2, 2))
+    b, t, shape = 4, 40, dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)
+    layer = Attention(AttentionConfig(**shape, kind=kind, **extra), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    params = nnx.to_pure_dict(state)
+    x = jax.random.normal(jax.random.key(3), (b, t, 32))
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    segment_ids = (jnp.arange(t)[None] >= jnp.arange(b)[:, None] * 4 + 20).astype(jnp.int32)
+
+    def step(impl):
+        config = AttentionConfig(**shape, kind=kind, impl=impl, **extra)
+
+        def loss(params, x, positions, segment_ids):
+            model = nnx.merge(graphdef, params)
+            model.config = config
+            return jnp.mean(jnp.sin(model(x, positions=positions, segment_ids=segment_ids)))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    expected = step("xla")(params, x, positions, segment_ids)
+    params = jax.device_put(params, tree_shardings(params, mesh))
+    assert params["q_proj"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    batch = [jax.device_put(a, batch_sharding(mesh)) for a in (x, positions, segment_ids)]
+    pallas = step("pallas")
+    with jax.set_mesh(mesh):
+        got = pallas(params, *batch)
+        calls = pallas_operand_shapes(pallas, params, *batch)
+    assert_per_shard(calls, 1, 2)
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        e = expected
+        for key in path:
+            e = e[key.idx if hasattr(key, "idx") else key.key]
+        assert_close(g, e, atol=1e-5 * max(1.0, float(jnp.max(jnp.abs(e)))), what=f"{kind} {path}")
+
+
+@pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic")])
+def test_lowering_on_a_mesh_sees_per_shard_shapes(platform, backend):
+    """Lowered for CUDA / TPU without any such device, under an abstract 2 x 1 x 2 mesh: every Triton / Mosaic
+    call (forward and backward) reads the shard's 2 of 4 rows and 2 of 4 heads (1 of 2 kv heads)."""
+    b, t, h, hk, d = 4, 256, 4, 2, 64
+    q = jnp.zeros((b, t, h, d), jnp.bfloat16)
+    k = v = jnp.zeros((b, t, hk, d), jnp.bfloat16)
+    membership = topk_membership(jax.random.normal(jax.random.key(4), (b, t, 8)), 1)
+
+    def loss(q, k, v):
+        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.1, window=32, block_size=128,
+                                     backend=backend)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    with lowering_target(platform, (2, 1, 2)):
+        text = grad.trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()
+    custom_call = {"cuda": "triton", "tpu": "tpu_custom_call"}[platform]
+    calls = [line for line in text.splitlines() if "custom_call" in line and custom_call in line.lower()]
+    assert len(calls) == 6  # two sets x (forward, dq, dk / dv)
+    for line in calls:
+        operands = line[line.rindex(" : (") + 4:line.rindex(") -> ")]
+        shapes = [tuple(int(n) for n in dims.rstrip("x").split("x"))
+                  for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", operands)]
+        assert {s[0] for s in shapes} == {2}, line  # 2 of 4 rows
+        assert max(s[1] for s in shapes if len(s) == 4) == 2, line  # 2 of 4 query heads (1 of 2 kv heads)
