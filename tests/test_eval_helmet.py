@@ -12,7 +12,6 @@ import math
 import random
 import re
 
-import jax
 import pytest
 from flax import nnx
 
@@ -21,16 +20,10 @@ from focal_jax.eval import helmet
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 WORDS = ("river stone garden window silver orange market winter planet castle forest engine yellow bridge "
          "harbor candle mirror pillow rocket violin").split()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _words(rng, n):

@@ -11,7 +11,6 @@ raises naming the value.
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +22,8 @@ from focal_jax.eval.decode import can_cache, greedy_decode
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 VOCAB = 61
 FOCUS = dict(kind="focus", focus_window=2, focus_groups=4, focus_dim=8, focus_iters=2)
 MODELS = {
@@ -30,15 +31,6 @@ MODELS = {
     "soft_focus_noncausal": (FOCUS, False),
     "hard_focus_causal": ({**FOCUS, "focus_topk": 1, "focus_causal": True}, True),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def fast_compiles():
-    """Tiny models, many shapes: XLA's optimisation passes cost more than they save here (compile time halves)."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def _llama(attn, vocab=VOCAB, seed=0):

@@ -11,6 +11,8 @@ from focal_jax.attention import reference
 
 from helpers import assert_close, rand_qkv
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 def rand_g(seed, b=2, t=40, k=4, sharpness=3.0):
     """Soft assignments: rows on the probability simplex."""

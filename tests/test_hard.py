@@ -17,6 +17,8 @@ from focal_jax.attention import reference
 
 from helpers import assert_close, rand_qkv
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 
 # One compiled function per (shapes, window, impl, block_size); temperature/scale are traced when they are arrays.
 sparse = jax.jit(focus_sparse_attention, static_argnames=("window", "sink", "softcap", "impl", "block_size"))

@@ -20,6 +20,8 @@ from focal_jax.nn.attention import Attention, AttentionConfig
 from focal_jax.train.sharding import batch_sharding, tree_shardings
 from helpers import assert_close, lowering_target, rand_qkv
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 

@@ -31,6 +31,8 @@ def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
         assert_close(g, e, atol=atol * scale, what=f"{what} d{name}")
 
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head_dim, softcap, block, band_block)
     "odd length, top-1": (77, 3, 1, 5, 0, False, 4, 4, 16, None, 16, 8),
     "top-2, segments, GQA, head_dim 64": (70, 4, 2, 9, 0, True, 4, 2, 64, None, 32, 16),

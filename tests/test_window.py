@@ -21,6 +21,8 @@ from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.retrofit import (REPLACEABLE_FIELDS, FocusConfig, WindowConfig, replace_attention, retrofit)
 
+pytestmark = pytest.mark.usefixtures("fast_compiles")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, T = 61, 24
 

@@ -91,11 +91,9 @@ import time
 from typing import Callable
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from focal_jax.eval.decode import greedy_decode
-from focal_jax.eval.recall import with_rope_ntk, with_topk
+from focal_jax.eval.recall import plot_by_length, with_rope_ntk, with_topk
 
 HELMET_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # HELMET's 4K ... 128K
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # the Focal paper's "4K to 64K"
@@ -1138,26 +1136,11 @@ def plot_helmet(result: dict, png: str, *, title: str | None = None) -> str:
     groups = [g for g in result["groups"] if g["score"] is not None]
     if not groups:
         raise ValueError("plot_helmet needs at least one group score, got none")
-    fig = Figure(figsize=(6.5, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for i, group in enumerate(dict.fromkeys(g["group"] for g in groups)):
-        points = sorted((g["length"], g["score"]) for g in groups if g["group"] == group)
+    series = {}
+    for group in dict.fromkeys(g["group"] for g in groups):
         datasets = sorted({d for g in groups if g["group"] == group for d in g["datasets"]})
-        ax.plot(*zip(*points), "o-", color=f"C{i % 10}", label=f"{group} ({', '.join(datasets)})")
-    lengths = sorted({g["length"] for g in groups})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("input length (tokens)")
-    ax.set_ylabel("score")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small")
-    ax.set_title(title or "HELMET")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
-    fig.savefig(png, dpi=100)
-    return png
+        series[f"{group} ({', '.join(datasets)})"] = [(g["length"], g["score"]) for g in groups if g["group"] == group]
+    return plot_by_length(series, png, title=title or "HELMET", xlabel="input length (tokens)", ylabel="score")
 
 
 def _int_list(text: str) -> list[int]:

@@ -255,23 +255,32 @@ def plot_recall(rows: list[dict], png: str, *, title: str | None = None) -> str:
     rows = [r for r in rows if r["accuracy"] is not None]
     if not rows:
         raise ValueError("plot_recall needs at least one row with an accuracy, got none")
+    series = {task: [(r["length"], r["accuracy"]) for r in rows if r["task"] == task]
+              for task in dict.fromkeys(r["task"] for r in rows)}
+    return plot_by_length(series, png, title=title or "long-context recall", xlabel="prompt length (tokens)",
+                          ylabel="accuracy")
+
+
+def plot_by_length(series: dict[str, list[tuple[int, float]]], png: str, *, title: str, xlabel: str,
+                   ylabel: str) -> str:
+    """Scores in [0, 1] against length (log2 x axis): one line per `series` label (its `(length, score)` points),
+    into `png`; returns `png`."""
     fig = Figure(figsize=(6.5, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    for i, task in enumerate(dict.fromkeys(r["task"] for r in rows)):
-        points = sorted((r["length"], r["accuracy"]) for r in rows if r["task"] == task)
-        ax.plot(*zip(*points), "o-", color=f"C{i % 10}", label=task)
-    lengths = sorted({r["length"] for r in rows})
+    for i, (label, points) in enumerate(series.items()):
+        ax.plot(*zip(*sorted(points)), "o-", color=f"C{i % 10}", label=label)
+    lengths = sorted({n for points in series.values() for n, _ in points})
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("accuracy")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    ax.set_title(title or "long-context recall")
+    ax.legend(fontsize="x-small" if len(series) > 5 else "small")
+    ax.set_title(title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
     fig.savefig(png, dpi=100)
     return png
 
