@@ -342,6 +342,9 @@ def test_phase2_after_a_phase1_on_a_hugging_face_directory(tmp_path, cache_dir):
     assert not np.array_equal(finetuned.h[0].attn.q_proj.kernel[...], base.h[0].attn.q_proj.kernel[...])
     assert len(saved) == len(param_paths(nnx.state(finetuned, nnx.Param)))
 
+    with pytest.raises(ValueError, match="start from it with model.family='hf' and init_from="):
+        init_model(check_config(tiny(cache_dir, init_from=phase1)))  # a LLaMA-family run cannot start from it
+
     # Intermediate checkpoints: step 1 of phase 1 has other centroids than step 2; a missing step names the saved.
     early = nnx.to_pure_dict(nnx.state(load_model(phase1, step=1), Centroid))
     assert not np.array_equal(early["h"][0]["attn"]["centroids"], trained["h"][0]["attn"]["centroids"])

@@ -69,8 +69,8 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
         if not base:
             raise ValueError(f"{workdir!r} saved only its trainable parameters but records no init_from")
         if checkpoint.is_hf_directory(base):
-            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}: a run that starts "
-                             f"from it takes its architecture from it, model.family='hf' with init_from={workdir!r}")
+            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}; start from it with "
+                             f"model.family='hf' and init_from={workdir!r} (the architecture then comes from that run)")
         load_pretrained(model, base)
     saved = checkpoint.saved_param_paths(workdir, step)
     state = nnx.state(model, nnx.Param)
