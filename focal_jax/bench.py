@@ -6,6 +6,15 @@
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
     python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536]
+    python -m focal_jax.bench shard [--mesh 2 2 2] [--batch 8] [--seq-len 256] [--heads 8] [--kv-heads 4]
+                                    (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
+
+``shard``: no timing; what XLA compiles for the jitted loss and gradients of Focus through the Pallas kernel
+(``focus_sparse_attention(impl='pallas')``, K = 8, w = 128, top-1) on a ``(data, fsdp, tensor)`` mesh, with the
+batch split over data x fsdp and the heads over tensor, called without and inside ``jax.set_mesh(mesh)``: the
+all-gathers in the compiled HLO, the temporary memory per device and the FLOPs of the compiled program. Without the
+mesh context the kernel is opaque to the partitioner, which gathers its operands; inside it the kernel runs per shard
+(``kernels/partition.py``).
 
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
 block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of 128, set B
@@ -468,8 +477,65 @@ def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def run_shard(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``shard`` subcommand: the compiled loss + gradients of the Pallas Focus kernel on a mesh, without and inside
+    ``jax.set_mesh``: all-gathers, temporary memory and FLOPs per device (no timing)."""
+    import math
+    import re
+
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    jnp = jax.numpy
+    devices = math.prod(args.mesh)
+    if jax.device_count() < devices:
+        raise SystemExit(f"--mesh {' '.join(map(str, args.mesh))} needs {devices} devices, this process has "
+                         f"{jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={devices})")
+    mesh = jax.make_mesh(tuple(args.mesh), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                         devices=jax.devices()[:devices])
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## Pallas kernel under a mesh (mesh {dict(mesh.shape)}, B={args.batch}, T={args.seq_len}, "
+          f"H={args.heads}, kv heads {args.kv_heads}, D={args.head_dim}, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
+          f"top-1; loss and gradients)\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    shapes = [(args.batch, args.seq_len, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
+    qkv = [jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes)]
+    membership = jnp.concatenate([_balanced_membership(args.seq_len, _inputs.N_GROUPS, args.seed + i)
+                                  for i in range(args.batch)])
+    split = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor"))
+    qkv = [jax.device_put(x, split) for x in qkv]
+    membership = jax.device_put(membership, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+
+    def loss(q, k, v, membership):
+        out = attention.focus_sparse_attention(q, k, v, membership, window=_inputs.WINDOW, impl="pallas")
+        return jnp.sum(out * out)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    rows = []
+    for name, context in (("no mesh context", None), ("inside jax.set_mesh", mesh)):
+        _log(f"compiling: {name} ...")
+        if context is None:
+            compiled = step.lower(*qkv, membership).compile()
+        else:
+            with jax.set_mesh(context):
+                compiled = step.lower(*qkv, membership).compile()
+        gathers = len(re.findall(r"= \S+ all-gather(?:-start)?\(", compiled.as_text()))
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        flops = cost.get("flops") if cost else None
+        rows.append([name, str(gathers), _fmt_mib(memory.temp_size_in_bytes / 2 ** 20 if memory else None),
+                     "-" if flops is None else f"{flops / 1e6:.1f}"])
+    print(_inputs.markdown_table(["call", "all-gathers in the compiled HLO", "temp memory per device (MiB)",
+                                  "XLA FLOPs per device (M)"], rows))
+    if jax.default_backend() == "cpu":
+        print("\nCPU: the kernel is compiled in Pallas interpret mode; XLA's FLOP count is of that program, not of "
+              "the GPU kernel.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``)."""
+    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``shard``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -502,6 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     plan.add_argument("--seed", type=int, default=0)
     plan.set_defaults(run=run_plan)
+    shard = sub.add_parser("shard", help="the Pallas kernel on a mesh without / inside jax.set_mesh (no timing)")
+    shard.add_argument("--mesh", type=int, nargs=3, default=[2, 2, 2], metavar=("DATA", "FSDP", "TENSOR"))
+    shard.add_argument("--batch", type=int, default=8)
+    shard.add_argument("--seq-len", type=int, default=256)
+    shard.add_argument("--heads", type=int, default=8)
+    shard.add_argument("--kv-heads", type=int, default=4)
+    shard.add_argument("--head-dim", type=int, default=64)
+    shard.add_argument("--seed", type=int, default=0)
+    shard.set_defaults(run=run_shard)
     return parser
 
 

@@ -1,5 +1,7 @@
 """The demo and the benchmark run end to end at a small size, and the benchmark's pair count is right."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +84,14 @@ def test_bench_train_size_prints_every_kind(capsys):
     out = capsys.readouterr().out
     for kind in ("dense", "focal (t=0.4)", "focal learned", "Focus hard top-1"):
         assert f"| {kind}" in out
+
+
+def test_bench_shard_prints_both_calls(capsys):
+    """8 fake devices (conftest): the kernel under `jax.set_mesh` compiles without all-gathers; without it, with."""
+    assert bench.main(["shard", "--batch", "4", "--seq-len", "64", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "16"]) == 0
+    out = capsys.readouterr().out
+    gathers = dict(re.findall(r"\| (no mesh context|inside jax.set_mesh) +\| (\d+)", out))
+    assert int(gathers["no mesh context"]) > 0 and gathers["inside jax.set_mesh"] == "0", out
+    with pytest.raises(SystemExit, match="needs 16 devices"):
+        bench.main(["shard", "--mesh", "4", "2", "2"])
