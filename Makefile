@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# pytest-xdist processes of `make test` (`make test TEST_WORKERS=0` runs the tests in this process).
+TEST_WORKERS ?= 2
 
 .PHONY: demo attention-demo test bench reproduce gpu-check clean
 
@@ -19,7 +21,7 @@ attention-demo: $(VENV)/.installed
 	$(PY) -m focal_jax.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests --doctest-modules focal_jax/attention focal_jax/nn focal_jax/convert focal_jax/data focal_jax/train focal_jax/eval configs
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests --doctest-modules focal_jax/attention focal_jax/nn focal_jax/convert focal_jax/data focal_jax/train focal_jax/eval configs
 
 bench: $(VENV)/.installed
 	$(PY) -m focal_jax.bench attention

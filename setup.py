@@ -29,6 +29,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",  # `make test` runs the suite in 2 processes
             "hypothesis>=6.100",
             "torch==2.13.0",
             "transformers>=4.50",
