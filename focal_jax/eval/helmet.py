@@ -93,7 +93,7 @@ from typing import Callable
 import numpy as np
 
 from focal_jax.eval.decode import greedy_decode
-from focal_jax.eval.recall import plot_by_length, with_rope_ntk, with_topk
+from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
 HELMET_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # HELMET's 4K ... 128K
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # the Focal paper's "4K to 64K"
@@ -1178,10 +1178,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--png", default=None, help="plot (default: the JSON path with .png)")
     args = parser.parse_args(argv)
 
-    from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command line only
-    from focal_jax.train.checkpoint import read_meta
-    from focal_jax.train.trainer import load_model
-
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     data_dir = os.path.abspath(os.path.expanduser(args.data))
     try:
@@ -1190,14 +1186,8 @@ def main(argv=None) -> dict:
         if args.n is not None:
             _check_int("n", args.n, 1)
         check_data(specs, data_dir, args.lengths)
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else workdir_tokenizer(workdir)
-        model = load_model(workdir, step=args.step)
-        step, meta = read_meta(workdir, args.step)
-        print(f"helmet: loaded {workdir} (step {step})", flush=True)
-        if args.topk is not None:
-            model = with_topk(model, args.topk)
-        if args.rope_ntk_factor is not None:
-            model = with_rope_ntk(model, args.rope_ntk_factor, trained_len=meta["config"]["data"]["seq_len"])
+        model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
+                                                   rope_ntk_factor=args.rope_ntk_factor, name="helmet")
         result = evaluate(model, tokenizer, data_dir, datasets=[s.name for s in specs], lengths=args.lengths,
                           n=args.n, seed=args.seed, fit=args.fit, batch_size=args.batch_size,
                           log=lambda line: print(line, flush=True))

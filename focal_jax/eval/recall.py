@@ -305,6 +305,27 @@ def with_rope_ntk(model, factor: float, *, trained_len: int):
     return replace_attention(model, rope_ntk_factor=factor, rope_trained_len=trained_len)
 
 
+def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str | None = None,
+                      topk: int | None = None, rope_ntk_factor: float | None = None, name: str = "recall"):
+    """`(model, tokenizer, step)` of a focal_jax run directory for the decoding evaluations (recall, HELMET): the
+    model of checkpoint `step` (default the latest), the tokenizer file `tokenizer` (default the run's own copy),
+    switched to hard top-`topk` routing (`with_topk`) and to dynamic NTK RoPE past the trained length
+    (`with_rope_ntk`) when asked. Raises FileNotFoundError / ValueError naming what is missing or wrong."""
+    from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command lines only
+    from focal_jax.train.checkpoint import read_meta
+    from focal_jax.train.trainer import load_model
+
+    tokenizer = load_tokenizer(tokenizer) if tokenizer else workdir_tokenizer(workdir)
+    model = load_model(workdir, step=step)
+    step, meta = read_meta(workdir, step)
+    print(f"{name}: loaded {workdir} (step {step})", flush=True)
+    if topk is not None:
+        model = with_topk(model, topk)
+    if rope_ntk_factor is not None:
+        model = with_rope_ntk(model, rope_ntk_factor, trained_len=meta["config"]["data"]["seq_len"])
+    return model, tokenizer, step
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -331,23 +352,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", default=None, help="output directory (default: the workdir)")
     args = parser.parse_args(argv)
 
-    from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command line only
-    from focal_jax.train.checkpoint import read_meta
-    from focal_jax.train.trainer import load_model
-
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     tasks = [t for t in args.tasks.split(",") if t]
     try:
         for task in tasks:
             _check_task(task)
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else workdir_tokenizer(workdir)
-        model = load_model(workdir, step=args.step)
-        step, meta = read_meta(workdir, args.step)
-        print(f"recall: loaded {workdir} (step {step})", flush=True)
-        if args.topk is not None:
-            model = with_topk(model, args.topk)
-        if args.rope_ntk_factor is not None:
-            model = with_rope_ntk(model, args.rope_ntk_factor, trained_len=meta["config"]["data"]["seq_len"])
+        model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
+                                                   rope_ntk_factor=args.rope_ntk_factor, name="recall")
         rows = recall_suite(model, tokenizer, tasks=tasks, lengths=args.lengths, n_examples=args.n, seed=args.seed,
                             batch_size=args.batch_size, log=lambda line: print(line, flush=True))
     except (FileNotFoundError, ValueError) as e:
