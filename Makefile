@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pytest-xdist processes of `make test` (`make test TEST_WORKERS=0` runs the tests in this process).
 TEST_WORKERS ?= 2
 
-.PHONY: demo attention-demo test bench reproduce gpu-check clean
+.PHONY: demo attention-demo test bench reproduce compile-check gpu-check clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,22 @@ bench: $(VENV)/.installed
 reproduce: $(VENV)/.installed
 	$(PY) -m focal_jax.eval.reproduce
 
+# Compiles the kernels for an H200 and for TPUs on this machine, no device needed (tests/test_compile_only.py): a
+# second environment, .venv-compile, adds jaxlib's CUDA plugin and libtpu (of jax's version) and ptxas.
+# `python -m focal_jax.bench compile` run there prints the kernels' registers, spills, shared memory and memory.
+VENV_COMPILE := .venv-compile
+$(VENV_COMPILE)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV_COMPILE)
+	$(VENV_COMPILE)/bin/python -m pip install -q --upgrade pip
+	$(VENV_COMPILE)/bin/python -m pip install -q -e . "pytest>=8"
+	version=$$($(VENV_COMPILE)/bin/python -c 'import jax; print(jax.__version__)') && \
+		$(VENV_COMPILE)/bin/python -m pip install -q nvidia-cuda-nvcc-cu12 "jax-cuda12-plugin==$$version" \
+		"jax[tpu]==$$version"
+	touch $@
+
+compile-check: $(VENV_COMPILE)/.installed
+	JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_COMPILE)/bin/python -m pytest -q -rs tests/test_compile_only.py
+
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). Wheels of
 # dependencies that machine lacks must be installed first.
@@ -38,7 +54,8 @@ gpu-check:
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
 	$(PYTHON) -m focal_jax.bench kernel
+	$(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2
 	$(PYTHON) -m focal_jax.bench train --size 400M
 
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) $(VENV_COMPILE) demo_out

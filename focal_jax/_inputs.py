@@ -155,7 +155,7 @@ def attention_variants(g: jax.Array, *, top_ks: Sequence[int] = (1,), block_size
     for top_k in top_ks:
         membership = attention.topk_membership(g, top_k)
         fn = functools.partial(attention.focus_sparse_attention, window=WINDOW, impl="decomposed",
-                               block_size=block_size)
+                               block_size=block_size, max_groups=top_k)
         out.append(Variant(f"Focus hard k={top_k} (decomposed)", fn, (membership,), membership))
     return out
 

@@ -5,7 +5,9 @@
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
-    python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536]
+    python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536] [--block-size 64]
+    python -m focal_jax.bench compile [--seq-len 16384] [--launch 64:8:2 128:8:1 ...] [--memory-lengths ...]
+                                      [--tpus v5e:2x2 ...]   (no device: in .venv-compile, JAX_PLATFORMS=cpu)
     python -m focal_jax.bench shard [--mesh 2 2 2] [--batch 8] [--seq-len 256] [--heads 8] [--kv-heads 4]
                                     (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
 
@@ -16,11 +18,20 @@ all-gathers in the compiled HLO, the temporary memory per device and the FLOPs o
 mesh context the kernel is opaque to the partitioner, which gathers its operands; inside it the kernel runs per shard
 (``kernels/partition.py``).
 
+``compile``: no timing and no device; the kernels compiled for an H200 from its description and for TPUs from their
+topology names (``focal_jax.kernels.compile_only``; needs jaxlib's CUDA plugin, ``ptxas`` and libtpu, as
+``make compile-check`` installs in ``.venv-compile``): per Triton kernel of the fused Focus forward + backward (bf16,
+H = 16, D = 128, K = 8, w = 128, top-1), its grid, threads, shared memory, registers and register spills, for each
+``--launch`` (block : warps : stages) next to the library's default; then the temporary memory that XLA's buffer
+assignment gives the forward + backward on the H200 for the decomposed path and the fused kernel at each of
+``--memory-lengths`` (cuDNN's needs cuDNN, which that environment lacks), and on each of ``--tpus`` for the
+decomposed path and the Mosaic kernels.
+
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
-block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of 128, set B
-token tiles of 32), next to what one fused pass over the group-sorted order would visit (set A's blocks plus, per
-query block, the blocks of every other group that hold its local keys), and the speedup limits over dense causal
-attention that follow.
+block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of
+``--block-size``, default 64 as on GPUs; set B token tiles of 32), next to what one fused pass over the group-sorted
+order would visit (set A's blocks plus, per query block, the blocks of every other group that hold its local keys),
+and the speedup limits over dense causal attention that follow.
 
 ``kernel``: the Pallas kernels on the device (a GPU; on CPU they run in interpret mode, so only tiny sizes make
 sense there): bf16 (float32 on CPU), K = 8 balanced groups, w = 128, top-1; dense causal
@@ -35,7 +46,8 @@ full training and a Focus retrofit that trains the centroids only. Median of ``-
 ``attention``: for each T (B = 1, H = 8, D = 64, float32, this machine's default backend) it times the forward pass
 of dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
 (``impl='decomposed'``, K = 8, w = 128, top-1 membership from ``sinkhorn(routing_scores(h))`` on structured random
-hidden states, so groups are as (im)balanced as Sinkhorn leaves them), plus the routing itself
+hidden states, so groups are as (im)balanced as Sinkhorn leaves them; ``max_groups=1``, and the same call without it,
+whose group-sorted arrays hold K * T entries, as a row of its own), plus the routing itself
 (``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed too, as a
 baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
 
@@ -107,6 +119,11 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
     blockwise = functools.partial(attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed",
                                   block_size=args.block_size)
     variants.insert(2, _inputs.Variant(BLOCKWISE, blockwise, (one_group,)))
+    # The same top-1 Focus without `max_groups`: its group-sorted arrays hold K * T entries, K - 1 of K padding.
+    top1 = next(v for v in variants if v.membership is not None)
+    variants.append(_inputs.Variant(f"{top1.name[:-1]}, K * T entries)", functools.partial(
+        attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed", block_size=args.block_size),
+        top1.extra, top1.membership))
     entries = []
     for variant in variants:
         entry = Entry(variant.name, variant.fn, (x.q, x.k, x.v, *variant.extra), membership=variant.membership)
@@ -162,7 +179,7 @@ def _key(entry: Entry) -> str:
     """Short name of an entry for the targets: dense, jax.nn.dot_product_attention, focal, Focus, decomposed,
     routing."""
     if entry.membership is not None:
-        return "decomposed"
+        return "decomposed" + (" K * T" if entry.name.endswith("K * T entries)") else "")
     return {ROUTING: "routing", BLOCKWISE: "blockwise"}.get(entry.name, entry.name.split(" ")[0])
 
 
@@ -367,9 +384,18 @@ def _balanced_membership(seq_len: int, groups: int, seed: int):
     return jax.numpy.asarray(group[None, :, None] == np.arange(groups))
 
 
+def _launch(text: str) -> tuple[int, int, int]:
+    """'64:8:2' -> (block_size, num_warps, num_stages)."""
+    try:
+        block, warps, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS:STAGES such as 64:8:2, got {text!r}") from None
+    return block, warps, stages
+
+
 def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``kernel`` subcommand: dense (cuDNN) vs focal through the kernel vs decomposed vs the fused kernel."""
-    from focal_jax.kernels.focus_sparse import dot_product_pallas
+    from focal_jax.kernels.focus_sparse import dot_product_pallas, focus_sparse_pallas
 
     jnp = jax.numpy
     on_gpu = jax.default_backend() == "gpu"
@@ -389,13 +415,18 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
         variants = {
             f"dense causal (jax.nn, {'cudnn' if on_gpu else 'xla'})": (lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, implementation="cudnn" if on_gpu else None), causal),
-            "focal t=0.4 through the kernel": (lambda q, k, v: dot_product_pallas(
-                q, k, v, multiplier=scale / _inputs.FOCAL_T), causal),
             "Focus decomposed": (lambda q, k, v: attention.focus_sparse_attention(
-                q, k, v, membership, window=_inputs.WINDOW, impl="decomposed"), allowed),
-            "Focus fused kernel": (lambda q, k, v: attention.focus_sparse_attention(
-                q, k, v, membership, window=_inputs.WINDOW, impl="pallas"), allowed),
+                q, k, v, membership, window=_inputs.WINDOW, impl="decomposed", max_groups=1), allowed),
         }
+        for launch in args.launch or [None]:
+            block, warps, stages = launch or (None, None, None)
+            label = "" if launch is None else f" ({block}, {warps} warps, {stages} stages)"
+            variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
+                dot_product_pallas(q, k, v, multiplier=scale / _inputs.FOCAL_T, block_size=b, num_warps=w,
+                                   num_stages=s)), causal)
+            variants[f"Focus fused kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
+                focus_sparse_pallas(q, k, v, membership, multiplier=scale, window=_inputs.WINDOW, block_size=b,
+                                    max_groups=1, num_warps=w, num_stages=s)), allowed)
         calls, names = [], []
         for name, (fn, pairs) in variants.items():
             grad = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -448,7 +479,7 @@ def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from focal_jax.kernels import focus_sparse as ks
 
-    block, band_block, window, groups = 128, 32, _inputs.WINDOW, _inputs.N_GROUPS
+    block, band_block, window, groups = args.block_size, 32, _inputs.WINDOW, _inputs.N_GROUPS
     command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
     print(f"## block plan (K={groups} balanced random top-1, w={window}, set A blocks {block}, set B tiles "
           f"{band_block})\n")
@@ -458,7 +489,7 @@ def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
         _log(f"T={seq_len} ...")
         membership = _balanced_membership(seq_len, groups, args.seed)
         allowed, causal = _inputs.count_focus_pairs(membership, window)
-        p = ks.plan(membership[0], jax.numpy.zeros(seq_len, jax.numpy.int32), block, band_block)
+        p = ks.plan(membership[0], jax.numpy.zeros(seq_len, jax.numpy.int32), block, band_block, max_groups=1)
         first = np.asarray(p.first_key_block)
         a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
         b_blocks = 0
@@ -534,8 +565,117 @@ def run_shard(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def run_compile(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``compile`` subcommand: the kernels compiled for an H200 and for TPUs, without either."""
+    from focal_jax.kernels import compile_only
+
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## the kernels compiled for devices this machine does not have (bf16, H={COMPILE_HEADS}, "
+          f"D={COMPILE_DIM}, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, top-1; forward + backward)\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    if compile_only.has_cuda_plugin():
+        _compile_for_the_h200(args, compile_only.gpu_device())
+    else:
+        print("H200: skipped, jaxlib's CUDA plugin is not installed (make compile-check builds .venv-compile)\n")
+    if compile_only.has_libtpu():
+        _compile_for_tpus(args)
+    else:
+        print("TPUs: skipped, libtpu is not installed (make compile-check builds .venv-compile)")
+    return 0
+
+
+COMPILE_HEADS, COMPILE_DIM = 16, 128
+
+
+def _compile_inputs(seq_len: int):
+    """q (= k = v) and membership shapes of the ``compile`` subcommand."""
+    jnp = jax.numpy
+    return (jax.ShapeDtypeStruct((1, seq_len, COMPILE_HEADS, COMPILE_DIM), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, seq_len, _inputs.N_GROUPS), jnp.bool_))
+
+
+def _fused_grad(backend: str, launch=(None, None, None), max_groups: int | None = 1):
+    """Gradients of the fused kernel's `sum(out)` (top-1 Focus, w = 128) through `backend` at `launch`."""
+    from focal_jax.kernels.focus_sparse import focus_sparse_pallas
+
+    block, warps, stages = launch
+    return _sum_grad(lambda q, k, v, m: focus_sparse_pallas(
+        q, k, v, m, multiplier=COMPILE_DIM ** -0.5, window=_inputs.WINDOW, backend=backend, block_size=block,
+        max_groups=max_groups, num_warps=warps, num_stages=stages))
+
+
+def _decomposed_grad():
+    return _sum_grad(lambda q, k, v, m: attention.focus_sparse_attention(
+        q, k, v, m, window=_inputs.WINDOW, impl="decomposed", max_groups=1))
+
+
+def _temp_mib(fn, seq_len: int, device) -> str:
+    """Temporary memory (MiB) of `fn` compiled for `device` at `seq_len`, or the first line of the error."""
+    from focal_jax.kernels import compile_only
+
+    q, membership = _compile_inputs(seq_len)
+    try:
+        memory = compile_only.compile_for(fn, q, q, q, membership, device=device).memory_analysis()
+    except Exception as error:  # the compiler's own message, e.g. the VMEM a kernel asked for
+        return "does not compile: " + str(error).splitlines()[0][:100]
+    return _fmt_mib(memory.temp_size_in_bytes / 2 ** 20)
+
+
+def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
+    """Per Triton kernel and launch: grid, threads, shared memory, registers, spills; then memory per length."""
+    from focal_jax.kernels import compile_only
+    from focal_jax.kernels.focus_sparse import triton_launch
+
+    default = (64,) + triton_launch(jax.numpy.bfloat16)
+    q, membership = _compile_inputs(args.seq_len)
+    rows = []
+    for launch in [default] + [x for x in (args.launch or []) if x != default]:
+        name = f"{launch[0]} : {launch[1]} : {launch[2]}" + (" (default)" if launch == default else "")
+        _log(f"H200: compiling T={args.seq_len}, launch {name} ...")
+        try:
+            kernels = compile_only.kernel_resources(_fused_grad("triton", launch), q, q, q, membership,
+                                                    device=device)
+        except Exception as error:  # XLA's own message, e.g. the shared memory a kernel asked for
+            rows.append([name, "does not compile", str(error).splitlines()[0][:120], "", "", "", ""])
+            continue
+        for r in kernels:
+            rows.append([name, r.name, "x".join(map(str, r.grid)), str(r.threads), f"{r.shared_memory / 1024:.0f}",
+                         str(r.registers), f"{r.spill_stores} / {r.spill_loads}"])
+    print(f"H200 (Triton), T={args.seq_len:,}:\n")
+    print(_inputs.markdown_table(["block : warps : stages", "kernel", "grid", "threads", "shared memory (KiB)",
+                                  "registers / thread", "spill stores / loads (bytes / thread)"], rows))
+    variants = {"Focus decomposed": _decomposed_grad(), "Focus fused kernel": _fused_grad("triton"),
+                "Focus fused kernel, max_groups=None (K * T entries)": _fused_grad("triton", max_groups=None)}
+    rows = []
+    for seq_len in args.memory_lengths:
+        _log(f"H200: compiling T={seq_len} (memory) ...")
+        rows += [[f"{seq_len:,}", name, _temp_mib(fn, seq_len, device)] for name, fn in variants.items()]
+    print("\n" + _inputs.markdown_table(["T", "forward + backward", "temp memory on the H200 (MiB)"], rows) + "\n")
+
+
+def _compile_for_tpus(args: argparse.Namespace) -> None:
+    """Per TPU generation and length: the temporary memory of the decomposed path and of the Mosaic kernels."""
+    from focal_jax.kernels import compile_only
+
+    rows = []
+    for topology in args.tpus:
+        device = compile_only.tpu_device(topology)
+        for seq_len in args.memory_lengths:
+            _log(f"{topology}: compiling T={seq_len} ...")
+            rows.append([topology, f"{seq_len:,}", _temp_mib(_decomposed_grad(), seq_len, device),
+                         _temp_mib(_fused_grad("mosaic"), seq_len, device)])
+    print("TPUs (Mosaic, default blocks of 128): temporary memory (MiB) of the forward + backward\n")
+    print(_inputs.markdown_table(["TPU", "T", "Focus decomposed", "Focus fused kernel"], rows))
+
+
+def _sum_grad(fn):
+    """`fn(q, k, v, m)` -> gradients of `sum(out)` with respect to q, k, v."""
+    return jax.grad(lambda q, k, v, m: jax.numpy.sum(fn(q, k, v, m).astype(jax.numpy.float32)), argnums=(0, 1, 2))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``shard``)."""
+    """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``compile``,
+    ``shard``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -563,11 +703,22 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--head-dim", type=int, default=128)
     kernel.add_argument("--repeats", type=int, default=5)
     kernel.add_argument("--seed", type=int, default=0)
+    kernel.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES",
+                        help="Triton launches of the kernel rows to compare (default: the library's own)")
     kernel.set_defaults(run=run_kernel)
     plan = sub.add_parser("plan", help="visited block area of the kernels' plan vs allowed pairs (no timing)")
     plan.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--block-size", type=int, default=64, help="set A's blocks (the GPU default is 64)")
     plan.set_defaults(run=run_plan)
+    comp = sub.add_parser("compile", help="the kernels compiled for an H200 and TPUs without them (no timing)")
+    comp.add_argument("--seq-len", type=int, default=16384)
+    comp.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES",
+                      help="Triton launches to compare with the default")
+    comp.add_argument("--memory-lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536])
+    comp.add_argument("--tpus", nargs="*", default=["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"],
+                      help="TPU topologies to compile for (generation:shape)")
+    comp.set_defaults(run=run_compile)
     shard = sub.add_parser("shard", help="the Pallas kernel on a mesh without / inside jax.set_mesh (no timing)")
     shard.add_argument("--mesh", type=int, nargs=3, default=[2, 2, 2], metavar=("DATA", "FSDP", "TENSOR"))
     shard.add_argument("--batch", type=int, default=8)

@@ -26,6 +26,8 @@ both, which run anywhere: 'interpret' (the GPU form) and 'mosaic_interpret' (the
 simulated).
 """
 
+import contextlib
+import contextvars
 import functools
 from typing import Any, NamedTuple
 
@@ -63,11 +65,11 @@ class Plan(NamedTuple):
     token_words: jax.Array   # [Tp, W]
 
 
-def plan(membership, segment_ids, block: int, band_block: int) -> Plan:
+def plan(membership, segment_ids, block: int, band_block: int, max_groups: int | None = None) -> Plan:
     """The `Plan` of one sequence: membership bool `[T, K]`, segment ids int `[T]`; set A in blocks of `block`
-    entries, set B in blocks of `band_block` tokens."""
+    entries (`max_groups` entries per token, default K), set B in blocks of `band_block` tokens."""
     t, k = membership.shape
-    routing = _routing(membership, segment_ids, block)
+    routing = _routing(membership, segment_ids, block, max_groups)
     routing = routing._replace(words=_pad_words(routing.words))
     n_words = routing.words.shape[1]
     e = routing.entry_token.shape[0]
@@ -354,6 +356,8 @@ class Settings(NamedTuple):
     backend: str     # one of BACKENDS
     groups: bool = True  # compute set A (False when no token is in a group)
     band: bool = True    # compute set B (False when every token is in the one group)
+    num_warps: int = 8   # Triton: warps per program
+    num_stages: int = 2  # Triton: software-pipelining stages of the walks
 
 
 class _Operand(NamedTuple):
@@ -453,9 +457,10 @@ def _spec(operand: _Operand, tpu: bool):
     return pl.BlockSpec((None, shape[1], block or shape[2]), lambda b, h, i: (b, 0, row(i)))
 
 
-def _call(body, inputs, outputs, grid, backend, name, walk_rows):
-    """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) through `backend`; the inputs without
+def _call(body, inputs, outputs, grid, settings, name, walk_rows):
+    """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) as `settings` say; the inputs without
     a `block` reach it as `_Walked` with blocks of `walk_rows`. Returns the outputs."""
+    backend = settings.backend
     tpu = backend in TPU_BACKENDS
     walked = [op.block is None and op.layout != "table" for op in inputs]
     # Mosaic wants a block's last two dimensions tiled by (8, 128) or spanning the array: a per-row table [B, n]
@@ -488,7 +493,7 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
         body(*args, *out_refs)
 
     if backend == "triton":
-        params = plt.CompilerParams(num_warps=4, num_stages=2)
+        params = plt.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
     elif tpu:
         params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
     else:
@@ -502,9 +507,33 @@ def _call(body, inputs, outputs, grid, backend, name, walk_rows):
         *(op.array for op in inputs))
 
 
+def triton_launch(dtype) -> tuple[int, int]:
+    """The Triton kernels' default `(num_warps, num_stages)` for inputs of `dtype`, chosen by compiling them for an
+    H200 without one (`python -m focal_jax.bench compile`, BENCHMARKS.md): with the default 64-entry blocks, 8 warps
+    and 2 pipeline stages assemble without register spills in about 100 KiB of shared memory for bf16 at head_dim
+    128; float32 blocks take twice the bytes, and one stage keeps them within the H200's 227 KiB."""
+    return (8, 1) if jnp.dtype(dtype).itemsize >= 4 else (8, 2)
+
+
+_TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+    """Within this context `default_backend()` is that of `platform` ('gpu', 'tpu' or 'cpu') instead of this
+    process's default: for compiling for a device the process does not have (`compile_only.compile_for`)."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
 def default_backend() -> str:
-    """'triton' on GPUs, 'mosaic' on TPUs, 'interpret' elsewhere (CPU)."""
-    return {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")
+    """'triton' on GPUs, 'mosaic' on TPUs, 'interpret' elsewhere (CPU); the platform is `target_platform`'s if
+    inside one, else `jax.default_backend()`."""
+    platform = _TARGET_PLATFORM.get() or jax.default_backend()
+    return {"gpu": "triton", "tpu": "mosaic"}.get(platform, "interpret")
 
 
 def _head_major(x, index):
@@ -556,7 +585,7 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
     outputs = [_Operand(jax.ShapeDtypeStruct((b, h, e, dv), v.dtype), "head", s.block),
                _Operand(jax.ShapeDtypeStruct((b, h, e, 1), jnp.float32), "head", s.block)]
     kernel = functools.partial(_group_kernel, softcap=s.softcap)
-    return _call(kernel, inputs, outputs, (b, h, e // s.block), s.backend, "focus_group", s.block)
+    return _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
 
 
 def _band_kwargs(s: Settings):
@@ -575,7 +604,7 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     outputs = [_Operand(jax.ShapeDtypeStruct((b, h, tp, dv), v.dtype), "head", s.band_block),
                _Operand(jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32), "head", s.band_block)]
     kernel = functools.partial(_band_kernel, **_band_kwargs(s))
-    return _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s.backend, "focus_band", s.band_block)
+    return _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
 
 
 def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
@@ -626,14 +655,14 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
                   [_Operand(p.first_key_block, "table"), info, *query_blocks, _Operand(ka, "head", heads_per_kv=g),
                    _Operand(va, "head", heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
-                  [gradient(d)], grid, s.backend, "focus_group_dq", block)
+                  [gradient(d)], grid, s, "focus_group_dq", block)
     walked_queries = [_Operand(x, "head") for x in (qa, doa, lse_a, delta_a)] + [
         _Operand(x, "column") for x in (q_ids, q_lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
                     [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
                      _Operand(k_words, "row", block), _Operand(ka, "head", block, g), _Operand(va, "head", block, g),
                      *walked_queries],
-                    [gradient(d), gradient(dv)], grid, s.backend, "focus_group_dkv", block)
+                    [gradient(d), gradient(dv)], grid, s, "focus_group_dkv", block)
     return (_token_major(dq, token, t), _per_kv_head(_token_major(dk, token, t), hk),
             _per_kv_head(_token_major(dvv, token, t), hk))
 
@@ -652,13 +681,13 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
                   [*query_blocks, _Operand(kp, "head", heads_per_kv=g), _Operand(vp, "head", heads_per_kv=g),
                    _Operand(k_segment, "row"), _Operand(k_words, "row")],
-                  [gradient(d)], grid, s.backend, "focus_band_dq", block)
+                  [gradient(d)], grid, s, "focus_band_dq", block)
     walked_queries = [_Operand(x, "head") for x in (qp, dop, lse_b, delta_b)] + [
         _Operand(x, "column") for x in (q_segment, q_words)]
     dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
                     [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
                      _Operand(kp, "head", block, g), _Operand(vp, "head", block, g), *walked_queries],
-                    [gradient(d), gradient(dv)], grid, s.backend, "focus_band_dkv", block)
+                    [gradient(d), gradient(dv)], grid, s, "focus_band_dkv", block)
     token_major = lambda x: x.transpose(0, 2, 1, 3)[:, :t]
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
@@ -682,15 +711,18 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
-                        block_size=128, band_block_size=None, backend=None, mesh=None, _sets=(True, True)):
+                        block_size=None, band_block_size=None, backend=None, mesh=None, max_groups=None,
+                        num_warps=None, num_stages=None, _sets=(True, True)):
     """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
     temperature) scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]` in v's dtype.
     Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and the multiplier.
-    `block_size`: set A's tile (entries); `band_block_size`: set B's tile (tokens; default 32 on GPU, small because
-    the band needs only `window + 1` keys per query and a tile of b queries reads `b + window` keys; 128 on TPU,
-    whose tiles are 128 wide). `backend`: one of `BACKENDS`; default `default_backend()`.
+    `block_size`: set A's tile (entries; default 64, 128 on TPU, whose tiles are 128 wide); `band_block_size`: set
+    B's tile (tokens; default 32, small because the band needs only `window + 1` keys per query and a tile of b
+    queries reads `b + window` keys; 128 on TPU). `backend`: one of `BACKENDS`; default `default_backend()`.
+    `max_groups`: at most this many groups per token (set A then has `max_groups * T` entry rows instead of
+    `K * T`); None: K. `num_warps`, `num_stages`: the Triton launch (default `triton_launch(q.dtype)`).
 
     Multi-device: under a mesh (`mesh`, or by default the one of a `jax.set_mesh(mesh)` context), the kernels run
     per shard through `shard_map`, the batch split over the mesh's 'data' / 'fsdp' axes and the heads over
@@ -702,6 +734,12 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
+    if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
+        raise ValueError(f"num_stages must be an integer >= 1, got num_stages={num_stages!r}")
+    if block_size is None:
+        block_size = 128 if backend in TPU_BACKENDS else 64
     if band_block_size is None:
         band_block_size = max(128, block_size) if backend in TPU_BACKENDS else min(32, block_size)
     if backend == "mosaic" and (block_size % 128 or band_block_size % 128):
@@ -714,17 +752,19 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     q = (q.astype(jnp.float32) * multiplier).astype(q.dtype)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
-    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, *_sets)
+    default_warps, default_stages = triton_launch(q.dtype)
+    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, *_sets,
+                        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages)
 
     def kernel(q, k, v, membership, segment_ids):
-        p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size))(membership, segment_ids)
+        p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size, max_groups))(membership, segment_ids)
         return _attention(q, k, v, p, settings)
 
     return per_shard(kernel, q, k, v, (membership, segment_ids), mesh=mesh)
 
 
-def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, softcap=None, block_size=128,
-                       band_block_size=None, backend=None, mesh=None):
+def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, softcap=None, block_size=None,
+                       band_block_size=None, backend=None, mesh=None, num_warps=None, num_stages=None):
     """Causal dense or focal attention (no groups) through the same kernels: `window=None` puts every token in one
     group (set A only: every causal pair, full blocks without the element mask); a `window` w puts no token in any
     group (set B only: the local band `0 <= i - j <= w`). Shapes and arguments as `focus_sparse_pallas`."""
@@ -732,5 +772,5 @@ def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, so
     membership = jnp.full((b, t, 1), window is None)
     return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=0 if window is None else window,
                                segment_ids=segment_ids, softcap=softcap, block_size=block_size,
-                               band_block_size=band_block_size, backend=backend, mesh=mesh,
-                               _sets=(window is None, window is not None))
+                               band_block_size=band_block_size, backend=backend, mesh=mesh, num_warps=num_warps,
+                               num_stages=num_stages, _sets=(window is None, window is not None))

@@ -226,6 +226,48 @@ def test_pallas_impl_needs_power_of_two_blocks():
         focus_sparse_attention(q, k, v, mem, window=2, impl="pallas", block_size=24)
 
 
+@pytest.mark.parametrize("impl", ["decomposed", "pallas"])
+@pytest.mark.parametrize("n_groups,k", [(5, 1), (6, 2), (3, 3)])
+def test_max_groups_sizes_the_entries_and_keeps_the_result(impl, n_groups, k):
+    """`max_groups=k` (the model's top-k): the plan holds k * T entries instead of K * T, and outputs and gradients
+    equal the reference and the default (`max_groups=None`)."""
+    from focal_jax.kernels.focus_sparse import plan
+
+    b, t, block = 2, 45, 16
+    q, key, v = rand_qkv(30 + k, b, t, 4, 2, 8)
+    mem = jnp.asarray(make_membership(31, b, t, n_groups, k))
+    segments = jnp.asarray(packed_segments(b, t, 32))
+    assert plan(mem[0], segments[0], block, 8, max_groups=k).entry_token.shape == (-(-k * t // block) * block,)
+    assert plan(mem[0], segments[0], block, 8).entry_token.shape == (-(-n_groups * t // block) * block,)
+
+    def run(max_groups):
+        return lambda q, key, v: focus_sparse_attention(q, key, v, mem, window=3, segment_ids=segments, impl=impl,
+                                                        block_size=block, max_groups=max_groups)
+
+    expected = lambda q, key, v: reference.focus_hard_attention(q, key, v, mem, window=3, segment_ids=segments)
+    assert_close(run(k)(q, key, v), expected(q, key, v), atol=1e-5, what=f"{impl} max_groups={k}")
+    assert_close(run(k)(q, key, v), run(None)(q, key, v), atol=1e-5, what=f"{impl} max_groups={k} vs None")
+    loss = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2))(q, key, v)
+    for name, got, want in zip("qkv", loss(run(k)), loss(expected)):
+        assert_close(got, want, atol=1e-5, what=f"{impl} max_groups={k} d{name}")
+
+
+def test_a_token_in_more_groups_than_max_groups_is_an_error_or_nan():
+    t = 20
+    q, key, v = rand_qkv(33, 2, t, 2, 2, 8)
+    mem = jnp.asarray(make_membership(34, 2, t, 4, 1)).at[0, 7].set(True)  # token 7 of row 0 in all 4 groups
+    with pytest.raises(ValueError, match="max_groups=1 but a token of membership is in 4 groups"):
+        focus_sparse_attention(q, key, v, mem, window=2, impl="decomposed", max_groups=1)
+    with pytest.raises(ValueError, match="max_groups must be None or an integer >= 1, got max_groups=0"):
+        focus_sparse_attention(q, key, v, mem, window=2, max_groups=0)
+    expected = reference.focus_hard_attention(q, key, v, mem, window=2)
+    for impl in ("reference", "decomposed", "pallas"):
+        out = jax.jit(lambda q, key, v, mem: focus_sparse_attention(q, key, v, mem, window=2, impl=impl,
+                                                                    block_size=16, max_groups=1))(q, key, v, mem)
+        assert bool(jnp.isnan(out[0]).all()), impl  # its whole sequence, never silently wrong
+        assert_close(out[1], expected[1], atol=1e-5, what=impl)  # the other sequence is unaffected
+
+
 # ------------------------------------------------------------------------------------------------------------
 # membership and mask
 # ------------------------------------------------------------------------------------------------------------

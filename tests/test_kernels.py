@@ -64,7 +64,7 @@ def test_focus_kernel_matches_reference(name, backend):
     def kernel(q, key, v, temperature):
         return ks.focus_sparse_pallas(q, key, v, membership, multiplier=d ** -0.5 / temperature, window=window,
                                       segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block,
-                                      band_block_size=band_block, backend=backend)
+                                      band_block_size=band_block, backend=backend, max_groups=k)
 
     what = f"{name} ({backend})"
     assert_close(kernel(q, key, v, temperature), expected(q, key, v, temperature), atol=1e-5, what=what)
@@ -182,13 +182,30 @@ def test_lowers_without_a_device(platform, backend, dtype, head_dim):
         assert custom_call in text.lower()
 
 
-def test_bad_backend_and_tpu_block_sizes_name_the_value():
+def test_target_platform_sets_the_default_backend():
+    here = ks.default_backend()  # 'interpret' on CPU
+    assert here == {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")
+    with ks.target_platform("gpu"):
+        assert ks.default_backend() == "triton"
+        with ks.target_platform("tpu"):
+            assert ks.default_backend() == "mosaic"
+        assert ks.default_backend() == "triton"
+    with ks.target_platform("cpu"):
+        assert ks.default_backend() == "interpret"
+    assert ks.default_backend() == here
+
+
+def test_bad_backend_tpu_block_sizes_and_triton_launch_name_the_value():
     q, k, v = rand_qkv(13, 1, 16, 2, 2, 8)
     membership = random_membership(14, 1, 16, 2, 1)
     with pytest.raises(ValueError, match="backend='cuda' is not one of"):
         ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4, backend="cuda")
     with pytest.raises(ValueError, match="multiples of 128, got block_size=64, band_block_size=128"):
         ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4, block_size=64, backend="mosaic")
+    with pytest.raises(ValueError, match="num_warps must be one of 1, 2, 4, 8, 16, got num_warps=6"):
+        ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4, num_warps=6)
+    with pytest.raises(ValueError, match="num_stages must be an integer >= 1, got num_stages=0"):
+        ks.dot_product_pallas(q, k, v, multiplier=0.3, num_stages=0)
 
 
 # ------------------------------------------------------------------------------------------------ the block plan
@@ -227,12 +244,14 @@ def test_plan_covers_every_allowed_pair(groups, k, sink):
     assert not missing
 
 
-def test_plan_cost_is_near_the_pair_count_for_balanced_groups():
+@pytest.mark.parametrize("block", [64, 128])  # the GPU default and the TPU one
+def test_plan_cost_is_near_the_pair_count_for_balanced_groups(block):
     """Visited block area (set A blocks + set B blocks) within 10% of the allowed pairs, for balanced groups."""
-    t, groups, window, block, band_block = 32768, 8, 128, 128, 32
+    t, groups, window, band_block = 32768, 8, 128, 32
     group = np.random.default_rng(0).permutation(np.arange(t) % groups)
     membership = jnp.asarray(group[:, None] == np.arange(groups))
-    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, band_block)
+    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, band_block, max_groups=1)
+    assert plan.entry_token.shape == (t,)
     first = np.asarray(plan.first_key_block)
     a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
     b_blocks = 0

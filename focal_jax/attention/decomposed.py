@@ -50,17 +50,25 @@ def _groups_below(group, n_words):
     return jnp.where(count >= BITS_PER_WORD, 0x7FFFFFFF, (1 << count) - 1).astype(jnp.int32)
 
 
-def _routing(membership, segment_ids, block):
-    """Builds the `Routing` of one sequence: membership bool `[T, K]`, segment ids int `[T]`."""
+def _routing(membership, segment_ids, block, max_groups=None):
+    """Builds the `Routing` of one sequence: membership bool `[T, K]`, segment ids int `[T]`. Each token gets
+    `max_groups` entry slots (default K), so E = `max_groups * T` rounded up to a block; a token in more groups than
+    that keeps its `max_groups` lowest ones."""
     t, k = membership.shape
-    member = membership.T.reshape(-1)                       # entry index g * T + i
-    flat = jnp.arange(k * t, dtype=jnp.int32)
-    order = jnp.argsort(jnp.where(member, flat, flat + k * t))
-    is_member = member[order]
-    n_entries = -(-(k * t) // block) * block
-    pad = n_entries - k * t
-    entry_token = jnp.pad(jnp.where(is_member, order % t, t), (0, pad), constant_values=t)
-    entry_group = jnp.pad(jnp.where(is_member, order // t, k), (0, pad), constant_values=k)
+    slots = k if max_groups is None else min(max_groups, k)
+    if slots == k:
+        is_member, group = membership, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k))
+    else:
+        rank, group = jax.lax.top_k(membership.astype(jnp.int32), slots)  # ties: lower group first
+        is_member = rank > 0
+    token = jnp.arange(t, dtype=jnp.int32)[:, None]
+    unused = k * t + jnp.arange(t * slots, dtype=jnp.int32).reshape(t, slots)  # sorts after every member
+    order = jnp.sort(jnp.where(is_member, group * t + token, unused).reshape(-1))  # (group, position) order
+    is_entry = order < k * t
+    n_entries = -(-(slots * t) // block) * block
+    pad = n_entries - slots * t
+    entry_token = jnp.pad(jnp.where(is_entry, order % t, t), (0, pad), constant_values=t)
+    entry_group = jnp.pad(jnp.where(is_entry, order // t, k), (0, pad), constant_values=k)
     counts = jnp.sum(membership, axis=0, dtype=jnp.int32)
     group_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
     words = membership_words(membership)
@@ -324,7 +332,7 @@ _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
 
 
 def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
-                         block_size=128):
+                         block_size=128, max_groups=None):
     """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).
 
     Args:
@@ -334,6 +342,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` keys are always visible.
       softcap: None or the logit cap (`softcap * tanh(logits / softcap)`).
       block_size: tile size.
+      max_groups: at most this many groups per token (entry arrays of `max_groups * T` rows); None: K.
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -346,7 +355,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     scaled_q = (q.astype(jnp.float32) * multiplier).reshape(b, t, hk, h // hk, d)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
-    routing = jax.vmap(lambda m, s: _routing(m, s, block_size))(membership, segment_ids)
+    routing = jax.vmap(lambda m, s: _routing(m, s, block_size, max_groups))(membership, segment_ids)
 
     def one_sequence(args):
         return _sequence_attention(*args, Settings(window, sink, softcap, block_size))

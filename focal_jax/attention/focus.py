@@ -183,7 +183,7 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
 
 
 def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
-                           sink=0, softcap=None, impl="reference", block_size=None):
+                           sink=0, softcap=None, impl="reference", block_size=None, max_groups=None):
     """Hard Focus attention at inference: plain (scaled) logits under `focus_mask`, no gate values.
 
     Args:
@@ -199,8 +199,12 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
         mode on CPU; see `focal_jax.kernels.focus_sparse`). Under a `jax.set_mesh(mesh)` context the kernels run
         per shard (`shard_map`: batch over the mesh's 'data' / 'fsdp' axes, heads over 'tensor'); without one,
         as they are.
-      block_size: tile size of `'decomposed'` and of `'pallas'`'s group set (default 128; a power of two for
-        `'pallas'`, and a multiple of 128 on TPU).
+      block_size: tile size of `'decomposed'` (default 128) and of `'pallas'`'s group set (a power of two; default
+        64, and 128 on TPU, where it must be a multiple of 128).
+      max_groups: `'decomposed'` and `'pallas'`: at most this many groups per token (the k of `topk_membership`),
+        so their sorted entry arrays hold `max_groups * T` rows instead of `K * T` (K / k times less gathering and
+        sorting). Default None: K. A token in more groups is an error: raised when `membership` is concrete;
+        under `jax.jit` (every impl) the output of that token's sequence is NaN.
 
     Returns:
       `[B, T, H, Dv]` in v's dtype.
@@ -222,17 +226,37 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     _validate.check_softcap(softcap)
     membership = membership.astype(bool)
-    if impl == "pallas":
+    _check_max_groups(membership, max_groups)
+    if impl == "reference":
+        mask = focus_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
+        out = attend(attention_logits(q, k, multiplier, softcap), v, mask)
+    elif impl == "pallas":
         from focal_jax.kernels.focus_sparse import focus_sparse_pallas  # kernels build on attention, not back
 
-        block_size = block_size or 128
-        if block_size & (block_size - 1):
+        if block_size is not None and block_size & (block_size - 1):
             raise ValueError(f"impl='pallas' needs a power-of-two block_size, got block_size={block_size}")
-        return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=window,
-                                   segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block_size)
-    if impl == "decomposed":
-        return decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
-                                    segment_ids=segment_ids, sink=sink, softcap=softcap,
-                                    block_size=block_size or 128)
-    mask = focus_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
-    return attend(attention_logits(q, k, multiplier, softcap), v, mask)
+        out = focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=window,
+                                  segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block_size,
+                                  max_groups=max_groups)
+    else:  # 'decomposed'
+        out = decomposed_attention(q, k, v, membership, multiplier=multiplier, window=window,
+                                   segment_ids=segment_ids, sink=sink, softcap=softcap,
+                                   block_size=block_size or 128, max_groups=max_groups)
+    if max_groups is None:
+        return out
+    too_many = jnp.any(jnp.sum(membership, axis=-1) > max_groups, axis=1)  # [B]
+    return jnp.where(too_many[:, None, None, None], jnp.nan, out).astype(out.dtype)
+
+
+def _check_max_groups(membership, max_groups):
+    """`max_groups` is None or an integer >= 1; with a concrete membership, no token is in more groups."""
+    if max_groups is None:
+        return
+    if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
+        raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}")
+    if isinstance(membership, jax.core.Tracer):
+        return
+    most = int(jnp.max(jnp.sum(membership, axis=-1), initial=0))
+    if most > max_groups:
+        raise ValueError(f"max_groups={max_groups} but a token of membership is in {most} groups; pass "
+                         f"max_groups >= {most} (or None)")

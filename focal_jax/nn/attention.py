@@ -428,7 +428,7 @@ class Attention(nnx.Module):
                                       temperature=temperature, segment_ids=segment_ids, softcap=c.softcap)
         membership = fa.topk_membership(g, c.focus_topk)
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
-                                         segment_ids=segment_ids, softcap=c.softcap,
+                                         segment_ids=segment_ids, softcap=c.softcap, max_groups=c.focus_topk,
                                          impl=c.impl if c.impl in ("decomposed", "pallas") else "reference")
 
 

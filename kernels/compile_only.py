@@ -1,0 +1,182 @@
+"""Compiling for a GPU or a TPU without one: whether the kernels compile, and what they use there.
+
+XLA compiles for a device it is only told about, with none attached:
+
+* a GPU from a description of it (a `GpuTargetConfigProto`; `H200` below), when jaxlib's CUDA plugin is installed
+  (`jax-cuda12-plugin` of jax's version, and `nvidia-cuda-nvcc-cu12` for ptxas). Triton's whole pipeline runs down
+  to sm_90 machine code, so what lowering alone cannot see (a kernel needing more shared memory than the GPU has)
+  fails here as on the device; `ptxas -v` on the emitted PTX reports each kernel's registers and spills.
+* a TPU from a topology name (`'v5e:2x2'`, `'v5p:2x2x1'`, `'v6e:2x2'`, `'v4:2x2x1'`), when libtpu is installed
+  (`jax[tpu]`). Mosaic compiles the kernels for that generation, so a kernel needing more VMEM than it has fails.
+
+`make compile-check` builds such an environment (`.venv-compile`) and runs `tests/test_compile_only.py` in it, with
+`JAX_PLATFORMS=cpu` so that neither plugin looks for a device (and `ALLOW_MULTIPLE_LIBTPU_LOAD=1`, so that two such
+processes may load libtpu at once); `python -m focal_jax.bench compile` reports.
+
+    >>> device = gpu_device()                                               # doctest: +SKIP
+    >>> for r in kernel_resources(fn, q, k, v, device=device): print(r)     # doctest: +SKIP
+    >>> compile_for(fn, q, k, v, device=tpu_device('v5e:2x2')).memory_analysis()  # doctest: +SKIP
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import NamedTuple
+
+import jax
+
+from focal_jax.kernels.focus_sparse import target_platform
+
+# The H200 (SXM) as XLA's GpuTargetConfigProto (text format): Hopper, compute capability 9.0, 132 SMs, 228 KiB of
+# shared memory per SM (227 KiB per block with opt-in), 64K 32-bit registers per SM, 141 GB of HBM3e at 4.8 TB/s.
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+"""
+H200_SHARED_MEMORY_PER_BLOCK = 232448  # bytes, `shared_memory_per_block_optin` above
+
+
+class KernelResources(NamedTuple):
+    """One kernel launch of a compiled program, as XLA plans it and ptxas assembles it."""
+    name: str
+    grid: tuple[int, int, int]
+    threads: int          # per block (32 x Triton's num_warps)
+    shared_memory: int    # bytes per block
+    registers: int        # per thread
+    spill_stores: int     # bytes per thread
+    spill_loads: int      # bytes per thread
+
+
+def has_cuda_plugin() -> bool:
+    """Whether jaxlib's CUDA plugin (`jax-cuda12-plugin`) is installed."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no `jax_plugins` package at all
+        return False
+
+
+def has_libtpu() -> bool:
+    """Whether libtpu (`jax[tpu]`) is installed."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def gpu_device(target_config: str = H200):
+    """A compile-only GPU device described by `target_config` (default `H200`); needs the CUDA plugin, not a GPU."""
+    if not has_cuda_plugin():
+        raise RuntimeError(f"compiling for a GPU without one needs jaxlib's CUDA plugin: pip install "
+                           f"'jax-cuda12-plugin=={jax.__version__}' nvidia-cuda-nvcc-cu12 (or make compile-check)")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc("target", platform="cuda", topology="1x1x1",
+                                        target_config=target_config).devices[0]
+
+
+def tpu_device(topology: str = "v5e:2x2"):
+    """The first chip of a compile-only TPU `topology` ('generation:shape', e.g. 'v5p:2x2x1'); needs libtpu, not a
+    TPU."""
+    if not has_libtpu():
+        raise RuntimeError(f"compiling for a TPU without one needs libtpu: pip install 'jax[tpu]=={jax.__version__}' "
+                           f"(or make compile-check)")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology, "tpu").devices[0]
+
+
+def compile_for(fn, *args, device, dump_to=None):
+    """`jax.jit(fn)` compiled for `device` (from `gpu_device` or `tpu_device`); `args`: pytrees of arrays or
+    `jax.ShapeDtypeStruct`s (only their shapes and dtypes matter). `dump_to`: a directory for XLA's dump (on a GPU:
+    the PTX and the launch plan that `kernel_resources` reads)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+    options = {} if dump_to is None else {"xla_dump_to": dump_to}
+    with target_platform(device.platform):  # the kernels' default backend is the device's, not this process's
+        return jax.jit(fn).trace(*specs).lower().compile(options)
+
+
+def ptxas() -> str:
+    """The path of `ptxas`: on PATH, or from the `nvidia-cuda-nvcc-cu12` wheel."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:
+        spec = None
+    for root in (spec.submodule_search_locations if spec else []):
+        candidate = os.path.join(root, "bin", "ptxas")
+        if os.path.exists(candidate):
+            return candidate
+    raise RuntimeError("ptxas not found: pip install nvidia-cuda-nvcc-cu12 (or put CUDA's bin directory on PATH)")
+
+
+_LAUNCH = re.compile(r"\]\s+(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), 1, 1\]\s+shared_memory: (\d+) bytes")
+
+
+def _launches(dump: str) -> dict[str, tuple]:
+    """Kernel name -> (grid, threads, shared memory) from XLA's thunk sequence in `dump`."""
+    launches = {}
+    for file in os.listdir(dump):
+        if file.endswith(".thunk_sequence.txt"):
+            with open(os.path.join(dump, file)) as f:
+                for match in _LAUNCH.finditer(f.read()):
+                    name, *numbers = match.groups()
+                    numbers = [int(n) for n in numbers]
+                    launches[name] = (tuple(numbers[:3]), numbers[3], numbers[4])
+    return launches
+
+
+def _assembled(ptx_file: str) -> dict[str, tuple[int, int, int]]:
+    """Entry name -> (registers, spill store bytes, spill load bytes) from `ptxas -v` on one PTX file."""
+    with open(ptx_file) as f:
+        target = re.search(r"^\.target\s+(\w+)", f.read(), re.M).group(1)
+    report = subprocess.run([ptxas(), "-v", f"--gpu-name={target}", ptx_file, "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
+    found, name = {}, None
+    for line in report.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = m.group(1)
+        elif name and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            found[name] = (0, int(m.group(1)), int(m.group(2)))
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            found[name] = (int(m.group(1)),) + found.get(name, (0, 0, 0))[1:]
+    return found
+
+
+def kernel_resources(fn, *args, device, prefix: str = "focus_") -> list[KernelResources]:
+    """Compiles `fn(*args)` for a GPU `device` (from `gpu_device`) and returns the launches of its kernels whose
+    names start with `prefix` (the Pallas kernels of `focal_jax.kernels.focus_sparse`), in launch order."""
+    with tempfile.TemporaryDirectory() as dump:
+        compile_for(fn, *args, device=device, dump_to=dump)
+        launches = {name: v for name, v in _launches(dump).items() if name.startswith(prefix)}
+        assembled = {}
+        for file in sorted(os.listdir(dump)):
+            if file.endswith(".ptx"):
+                with open(os.path.join(dump, file)) as f:
+                    entries = set(re.findall(r"\.entry\s+(\w+)", f.read()))
+                if entries & set(launches):
+                    assembled.update(_assembled(os.path.join(dump, file)))
+    return [KernelResources(name, grid, threads, shared, *assembled[name])
+            for name, (grid, threads, shared) in launches.items()]

@@ -1,0 +1,154 @@
+"""The kernels compiled for devices this machine does not have (`focal_jax.kernels.compile_only`): the Triton form
+for an H200 (every kernel reaches sm_90 machine code within its shared memory; the default launch assembles without
+register spills) and the Mosaic form for four TPU generations (within their VMEM).
+
+Needs jaxlib's CUDA plugin, ptxas and libtpu: `make compile-check` installs them in `.venv-compile` and runs this
+file (CI runs it after `make test`); in the main environment its tests are skipped."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+from focal_jax.kernels import compile_only
+from focal_jax.kernels import focus_sparse as ks
+from focal_jax.nn.llama import Llama, LlamaConfig
+
+needs_cuda = pytest.mark.skipif(not compile_only.has_cuda_plugin(),
+                                reason="needs jaxlib's CUDA plugin: make compile-check runs these in .venv-compile")
+needs_libtpu = pytest.mark.skipif(not compile_only.has_libtpu(),
+                                  reason="needs libtpu: make compile-check runs these in .venv-compile")
+
+T, HEADS, KV_HEADS, GROUPS = 512, 4, 2, 8
+FUSED = {"focus_group", "focus_group_dq", "focus_group_dkv", "focus_band", "focus_band_dq", "focus_band_dkv"}
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return compile_only.gpu_device()
+
+
+def shapes(dtype, head_dim):
+    """q, k, v, membership, segment ids and per-query multipliers as shapes (GQA: 4 query heads on 2)."""
+    q = jax.ShapeDtypeStruct((2, T, HEADS, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, T, KV_HEADS, head_dim), dtype)
+    return (q, kv, kv, jax.ShapeDtypeStruct((2, T, GROUPS), jnp.bool_), jax.ShapeDtypeStruct((2, T), jnp.int32),
+            jax.ShapeDtypeStruct((2, T, HEADS), jnp.float32))
+
+
+def fused_step(backend, **options):
+    """Forward + backward of hard Focus (top-2) through the kernels, in q, k, v and the per-query multiplier."""
+    def loss(q, k, v, membership, segment_ids, multiplier):
+        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=48,
+                                     segment_ids=segment_ids, backend=backend, max_groups=2, **options)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 5))
+
+
+def dense_step(backend, window):
+    """Forward + backward of dense (window None) or local attention through the kernels, with a softcap."""
+    def loss(q, k, v, membership, segment_ids, multiplier):
+        out = ks.dot_product_pallas(q, k, v, multiplier=multiplier, window=window, segment_ids=segment_ids,
+                                    softcap=30.0, backend=backend)
+        return jnp.sum(out.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 5))
+
+
+# ------------------------------------------------------------------------------------------------ H200 (Triton)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64), (jnp.float32, 64),
+                                            (jnp.float32, 128)])
+def test_focus_kernels_compile_for_the_h200(h200, dtype, head_dim):
+    """Every kernel of the forward and backward pass reaches machine code at the default launch, within the
+    H200's shared memory; 16-bit inputs without a register spill."""
+    kernels = compile_only.kernel_resources(fused_step("triton"), *shapes(dtype, head_dim), device=h200)
+    assert {r.name for r in kernels} == FUSED
+    warps = ks.triton_launch(dtype)[0]
+    for r in kernels:
+        assert r.threads == 32 * warps and 0 < r.registers <= 255, r
+        assert r.shared_memory <= compile_only.H200_SHARED_MEMORY_PER_BLOCK, r
+        if dtype == jnp.bfloat16:
+            assert r.spill_stores == 0, r
+
+
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 64])
+def test_dense_and_local_through_the_kernels_compile_for_the_h200(h200, window):
+    kernels = compile_only.kernel_resources(dense_step("triton", window), *shapes(jnp.bfloat16, 128), device=h200)
+    expected = {"focus_group", "focus_group_dq", "focus_group_dkv"} if window is None else {
+        "focus_band", "focus_band_dq", "focus_band_dkv"}
+    assert {r.name for r in kernels} == expected
+    assert all(r.spill_stores == 0 for r in kernels), kernels
+
+
+@needs_cuda
+def test_the_h200_check_sees_spills_and_shared_memory_overflows(h200):
+    """The launch the kernels had before this check (128-entry blocks, 4 warps, 2 stages) spills registers in bf16
+    and asks float32 for more shared memory than the H200 has: compiling catches both."""
+    old = dict(block_size=128, num_warps=4, num_stages=2)
+    kernels = compile_only.kernel_resources(fused_step("triton", **old), *shapes(jnp.bfloat16, 128), device=h200)
+    assert max(r.spill_stores for r in kernels) > 0
+    with pytest.raises(Exception, match="Shared memory size limit exceeded"):
+        compile_only.compile_for(fused_step("triton", **old), *shapes(jnp.float32, 128), device=h200)
+
+
+# ------------------------------------------------------------------------------------------------ TPUs (Mosaic)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"])
+def test_focus_kernels_compile_for_tpus(topology):
+    """The Mosaic form (forward and backward; bf16 at head_dim 128, float32 at 64), and dense and local attention
+    through it, compiled for each generation at the default blocks."""
+    device = compile_only.tpu_device(topology)
+    for dtype, head_dim in ((jnp.bfloat16, 128), (jnp.float32, 64)):
+        compiled = compile_only.compile_for(fused_step("mosaic"), *shapes(dtype, head_dim), device=device)
+        assert "tpu_custom_call" in compiled.as_text()
+    for window in (None, 64):
+        compile_only.compile_for(dense_step("mosaic", window), *shapes(jnp.bfloat16, 128), device=device)
+
+
+@needs_libtpu
+def test_the_tpu_check_sees_a_vmem_overflow():
+    """Blocks of 2048 (whose double-buffered copies outgrow the scoped VMEM) fail to compile, as on a TPU."""
+    q = jax.ShapeDtypeStruct((1, 4096, 4, 128), jnp.bfloat16)
+    membership = jax.ShapeDtypeStruct((1, 4096, GROUPS), jnp.bool_)
+    forward = lambda q, k, v, m: ks.focus_sparse_pallas(q, k, v, m, multiplier=0.1, window=128, backend="mosaic",
+                                                         max_groups=1, block_size=2048)
+    with pytest.raises(Exception, match="(?i)vmem"):
+        compile_only.compile_for(forward, q, q, q, membership, device=compile_only.tpu_device("v5e:2x2"))
+
+
+# ------------------------------------------------------------------------------------------------ a model's step
+
+
+def model_train_step():
+    """(gradient function, model state, tokens) of a small LLaMA with Focal + hard Focus through the kernels."""
+    config = LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=256,
+                         attn={"kind": "focal+focus", "impl": "pallas", "focus_topk": 1, "focus_groups": 4,
+                               "focus_window": 32, "focal_t": 0.4})
+    graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)))
+
+    def loss(state, tokens):
+        logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return jax.grad(loss), state, jax.ShapeDtypeStruct((2, T + 1), jnp.int32)
+
+
+@needs_cuda
+def test_a_model_train_step_with_impl_pallas_compiles_for_the_h200(h200):
+    step, state, tokens = model_train_step()
+    assert "triton" in compile_only.compile_for(step, state, tokens, device=h200).as_text().lower()
+
+
+@needs_libtpu
+def test_a_model_train_step_with_impl_pallas_compiles_for_a_tpu():
+    step, state, tokens = model_train_step()
+    compiled = compile_only.compile_for(step, state, tokens, device=compile_only.tpu_device("v5e:2x2"))
+    assert "tpu_custom_call" in compiled.as_text()
