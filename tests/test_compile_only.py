@@ -152,3 +152,19 @@ def test_a_model_train_step_with_impl_pallas_compiles_for_a_tpu():
     step, state, tokens = model_train_step()
     compiled = compile_only.compile_for(step, state, tokens, device=compile_only.tpu_device("v5e:2x2"))
     assert "tpu_custom_call" in compiled.as_text()
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+@needs_cuda
+@needs_libtpu
+def test_bench_compile_reports_both(capsys):
+    from focal_jax import bench
+
+    assert bench.main(["compile", "--seq-len", "256", "--launch", "128:4:2", "--memory-lengths", "256",
+                       "--tpus", "v5e:2x2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| 64 : 8 : 2 (default)") == 6 and out.count("| 128 : 4 : 2") == 6  # six kernels each
+    assert "| 256 | Focus fused kernel " in out and "| v5e:2x2 | 256 " in out
+    assert "does not compile" not in out

@@ -258,6 +258,8 @@ def test_a_token_in_more_groups_than_max_groups_is_an_error_or_nan():
     mem = jnp.asarray(make_membership(34, 2, t, 4, 1)).at[0, 7].set(True)  # token 7 of row 0 in all 4 groups
     with pytest.raises(ValueError, match="max_groups=1 but a token of membership is in 4 groups"):
         focus_sparse_attention(q, key, v, mem, window=2, impl="decomposed", max_groups=1)
+    with pytest.raises(ValueError, match="max_groups=1 but a token of membership is in 4 groups"):  # closed over
+        jax.jit(lambda q, key, v: focus_sparse_attention(q, key, v, mem, window=2, max_groups=1))(q, key, v)
     with pytest.raises(ValueError, match="max_groups must be None or an integer >= 1, got max_groups=0"):
         focus_sparse_attention(q, key, v, mem, window=2, max_groups=0)
     expected = reference.focus_hard_attention(q, key, v, mem, window=2)

@@ -25,7 +25,7 @@ def test_bench_prints_every_variant(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
     names = [row.split("|")[2].strip() for row in rows]
     assert names == ["dense", bench.REFERENCE, bench.BLOCKWISE, "focal (t=0.4)", bench.SOFT,
-                     "Focus hard k=1 (decomposed)", bench.ROUTING]
+                     "Focus hard k=1 (decomposed)", "Focus hard k=1 (decomposed, K * T entries)", bench.ROUTING]
     assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
 
 
@@ -51,6 +51,30 @@ def test_bench_kernel_prints_every_variant(capsys):
     out = capsys.readouterr().out
     for name in ("dense causal", "focal t=0.4 through the kernel", "Focus decomposed", "Focus fused kernel"):
         assert out.count(f"| {name}") == 2, name  # forward and forward + backward
+
+
+def test_bench_kernel_compares_triton_launches(capsys):
+    assert bench.main(["kernel", "--lengths", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+                       "--launch", "32:4:1", "64:8:2"]) == 0
+    out = capsys.readouterr().out
+    for launch in ("(32, 4 warps, 1 stages)", "(64, 8 warps, 2 stages)"):
+        assert out.count(f"| Focus fused kernel {launch}") == 2, launch
+        assert out.count(f"| focal t=0.4 through the kernel {launch}") == 2, launch
+    with pytest.raises(SystemExit):
+        bench.main(["kernel", "--launch", "64:8"])
+
+
+def test_bench_compile_says_what_it_skips(capsys):
+    """Without jaxlib's CUDA plugin and libtpu (the main environment) it says so instead of failing; it runs in
+    `make compile-check`'s environment (tests/test_compile_only.py)."""
+    from focal_jax.kernels import compile_only
+
+    if compile_only.has_cuda_plugin() or compile_only.has_libtpu():
+        pytest.skip("this environment can compile for a device: tests/test_compile_only.py runs the subcommand")
+    assert bench.main(["compile", "--memory-lengths"]) == 0
+    out = capsys.readouterr().out
+    assert "H200: skipped, jaxlib's CUDA plugin is not installed" in out
+    assert "TPUs: skipped, libtpu is not installed" in out
 
 
 def test_bench_plan_prints_both_plans(capsys):

@@ -256,7 +256,7 @@ def _check_max_groups(membership, max_groups):
         raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}")
     if isinstance(membership, jax.core.Tracer):
         return
-    most = int(jnp.max(jnp.sum(membership, axis=-1), initial=0))
+    most = int(np.max(np.sum(np.asarray(membership), axis=-1), initial=0))  # numpy: also inside a jit trace
     if most > max_groups:
         raise ValueError(f"max_groups={max_groups} but a token of membership is in {most} groups; pass "
                          f"max_groups >= {most} (or None)")
