@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # pytest-xdist processes of `make test` (`make test TEST_WORKERS=0` runs the tests in this process).
 TEST_WORKERS ?= 2
 
-.PHONY: demo attention-demo test bench reproduce compile-check gpu-check clean
+.PHONY: demo attention-demo test bench reproduce compile-check gpu-check device-wheels clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -48,14 +48,22 @@ compile-check: $(VENV_COMPILE)/.installed
 	JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_COMPILE)/bin/python -m pytest -q -rs tests/test_compile_only.py
 
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
-# dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). Wheels of
-# dependencies that machine lacks must be installed first.
+# dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). What that
+# machine's image lacks (grain, ml-collections, array-record, portpicker; the trainer imports them) travels as
+# wheels: `make device-wheels` here fills .whl (Python 3.12, x86-64), which the device run carries.
+gpu-check: export PYTHONPATH = /tmp/site
 gpu-check:
+	if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
 	$(PYTHON) -m focal_jax.bench kernel
 	$(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2
 	$(PYTHON) -m focal_jax.bench train --size 400M
+
+device-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl grain ml-collections array-record portpicker
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPILE) demo_out
