@@ -35,4 +35,3 @@ def lowering_target(platform, shape=(1, 1, 1), axes=("data", "fsdp", "tensor")):
     mesh = jax.sharding.AbstractMesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
                                      abstract_device=device)
     return jax.sharding.use_abstract_mesh(mesh)
-
