@@ -32,7 +32,8 @@ reproduce: $(VENV)/.installed
 	$(PY) -m focal_jax.eval.reproduce
 
 # Compiles the kernels for an H200 and for TPUs on this machine, no device needed (tests/test_compile_only.py): a
-# second environment, .venv-compile, adds jaxlib's CUDA plugin and libtpu (of jax's version) and ptxas.
+# second environment, .venv-compile, has the project without extras and adds jaxlib's CUDA plugin and libtpu (of
+# jax's version), ptxas and cuDNN. tests/test_packaging.py runs there too: every module imports without the extras.
 # `python -m focal_jax.bench compile` run there prints the kernels' registers, spills, shared memory and memory.
 VENV_COMPILE := .venv-compile
 $(VENV_COMPILE)/.installed: setup.py
@@ -40,12 +41,13 @@ $(VENV_COMPILE)/.installed: setup.py
 	$(VENV_COMPILE)/bin/python -m pip install -q --upgrade pip
 	$(VENV_COMPILE)/bin/python -m pip install -q -e . "pytest>=8"
 	version=$$($(VENV_COMPILE)/bin/python -c 'import jax; print(jax.__version__)') && \
-		$(VENV_COMPILE)/bin/python -m pip install -q nvidia-cuda-nvcc-cu12 "jax-cuda12-plugin==$$version" \
-		"jax[tpu]==$$version"
+		$(VENV_COMPILE)/bin/python -m pip install -q nvidia-cuda-nvcc-cu12 "nvidia-cudnn-cu12>=9,<10" \
+		"jax-cuda12-plugin==$$version" "jax[tpu]==$$version"
 	touch $@
 
 compile-check: $(VENV_COMPILE)/.installed
-	JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_COMPILE)/bin/python -m pytest -q -rs tests/test_compile_only.py
+	JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_COMPILE)/bin/python -m pytest -q -rs tests/test_compile_only.py \
+		tests/test_packaging.py
 
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). What that

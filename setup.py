@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="focal_jax",
-    version="0.6.0",
+    version="0.6.1",
     description="Focal Attention and Focus (learned-group sparse attention) in JAX / Flax NNX",
     python_requires=">=3.11",
     packages=find_packages(include=["focal_jax", "focal_jax.*"]) + ["focal_jax.kernels", "focal_jax.configs"],
@@ -18,6 +18,7 @@ setup(
         "grain>=0.2.10",
         "sentencepiece>=0.2",
         "tokenizers>=0.19",
+        "safetensors>=0.4",  # focal_jax.convert (Hugging Face checkpoints) and the trainer's pretrained starts
         "ml-collections>=1.0",
         "numpy>=1.26",
         "matplotlib>=3.8",
@@ -33,7 +34,6 @@ setup(
             "hypothesis>=6.100",
             "torch==2.13.0",
             "transformers>=4.50",
-            "safetensors>=0.4",
             "lm_eval>=0.4.13",
             "datasets>=2.16",  # test_eval_helmet: HELMET's sampling, as `datasets` shuffles
             "rouge_score>=0.1.2",  # focal_jax.eval.helmet's ROUGE-L (infbench_qa)

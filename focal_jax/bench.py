@@ -4,6 +4,7 @@
                                         [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
+    python -m focal_jax.bench train --size 400M --compile-for-h200     (no device: in .venv-compile, JAX_PLATFORMS=cpu)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
     python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536] [--block-size 64]
     python -m focal_jax.bench compile [--seq-len 16384] [--launch 64:8:2 128:8:1 ...] [--memory-lengths ...]
@@ -70,6 +71,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import shlex
 import statistics
 import sys
@@ -271,9 +273,9 @@ def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int,
-                        compute_dtype=jax.numpy.float32) -> float:
-    """Median seconds of the trainer's jitted step on random tokens (one packed document per row)."""
+def _train_step_and_args(model, optim, batch_size: int, seq_len: int, compute_dtype=jax.numpy.float32):
+    """The trainer's step (`make_steps`) for `model`, and its arguments: (trainable, opt_state, frozen, batch) on
+    random tokens (one packed document per row)."""
     import numpy as np
 
     from focal_jax.train.optimizer import make_optimizer, split_trainable
@@ -281,14 +283,28 @@ def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: in
 
     graphdef, trainable, frozen = split_trainable(model, optim)
     tx = make_optimizer(optim, total_steps=100)
-    step = jax.jit(make_steps(graphdef, tx, compute_dtype)[0], donate_argnums=(0, 1))
+    step = make_steps(graphdef, tx, compute_dtype)[0]
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, model.config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch_size, seq_len)),
              "segment_ids": np.ones((batch_size, seq_len), np.int32),
              "loss_mask": np.ones((batch_size, seq_len), np.float32)}
-    opt_state = tx.init(trainable)
+    return step, (trainable, jax.eval_shape(tx.init, trainable) if _is_abstract(trainable) else tx.init(trainable),
+                  frozen, batch)
+
+
+def _is_abstract(tree) -> bool:
+    """Whether `tree` holds shapes (`jax.ShapeDtypeStruct`, as from `nnx.eval_shape`) rather than arrays."""
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int,
+                        compute_dtype=jax.numpy.float32) -> float:
+    """Median seconds of the trainer's jitted step on random tokens (one packed document per row)."""
+    step, (trainable, opt_state, frozen, batch) = _train_step_and_args(model, optim, batch_size, seq_len,
+                                                                       compute_dtype)
+    step = jax.jit(step, donate_argnums=(0, 1))
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
@@ -299,37 +315,102 @@ def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: in
     return statistics.median(times)
 
 
+def matmul_flops(fn, *args) -> tuple[float, float]:
+    """`(all, 16-bit)`: FLOPs of the matrix products in `fn(*args)` as traced (its jaxpr, through nested calls and
+    scans), and of those whose two operands are 16-bit (bf16 / fp16: the matmul units' full rate on a GPU or TPU).
+    The products inside Pallas kernels are not counted; a while loop's body counts once."""
+    def walk(jaxpr, times):
+        total = low = 0.0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                continue
+            if eqn.primitive.name == "dot_general":
+                lhs, rhs = (v.aval for v in eqn.invars)
+                (contracting, _), _ = eqn.params["dimension_numbers"]
+                flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+                total += times * flops
+                low += times * flops if lhs.dtype.itemsize == 2 and rhs.dtype.itemsize == 2 else 0.0
+            repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        t, l = walk(sub, repeat)
+                        total, low = total + t, low + l
+        return total, low
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+
+
+def _train_size_kinds(platform: str) -> dict[str, dict]:
+    """The attention variants `train --size` compares; cuDNN on GPUs only."""
+    kinds = {"dense": {}, "dense (cudnn)": {"impl": "cudnn"}, "focal (t=0.4)": {"kind": "focal"},
+             "focal learned": {"kind": "focal_learned"},
+             "Focus hard top-1 (K=8, w=128, pallas)": {"kind": "focus", "impl": "pallas", "focus_topk": 1,
+                                                       "focus_causal": True}}
+    if platform != "gpu":
+        del kinds["dense (cudnn)"]
+    return kinds
+
+
 def run_train_size(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``train --size S``: tokens/s and MFU of a Focal paper model's train step (bf16 compute, float32 parameters
-    and AdamW state, one device), per attention kind."""
+    and AdamW state, one device), per attention kind, with the share of its matrix-product FLOPs in 16 bits. With
+    ``--compile-for-h200`` (no device; in .venv-compile): instead of timings, the memory of the step compiled for an
+    H200."""
     from flax import nnx
 
+    from focal_jax.kernels.focus_sparse import target_platform
     from focal_jax.nn.llama import Llama, focal_config
     from focal_jax.train.metrics import mfu, peak_flops, train_flops_per_token
     from focal_jax.train.optimizer import OptimConfig
     from focal_jax.train.trainer import matmul_param_count
 
+    bf16 = jax.numpy.bfloat16
     command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## train step, {args.size} (bf16 compute, AdamW, B={args.batch}, T={args.seq_len}, median of "
-          f"{args.repeats} after one warm-up)\n")
+    how = "compiled for an H200, no device" if args.compile_for_h200 else (
+        f"median of {args.repeats} after one warm-up")
+    print(f"## train step, {args.size} (bf16 compute, AdamW, B={args.batch}, T={args.seq_len}, {how})\n")
     print(_inputs.environment_header(command) + "\n", flush=True)
-    kinds = {"dense": {}, "focal (t=0.4)": {"kind": "focal"}, "focal learned": {"kind": "focal_learned"},
-             "Focus hard top-1 (K=8, w=128, pallas)": {"kind": "focus", "impl": "pallas", "focus_topk": 1,
-                                                       "focus_causal": True}}
+    if args.compile_for_h200:
+        from focal_jax.kernels import compile_only
+
+        device, platform = compile_only.gpu_device(), "gpu"
+    else:
+        platform = jax.default_backend()
     rows, peak = [], peak_flops()
-    for name, attn in kinds.items():
+    for name, attn in _train_size_kinds(platform).items():
         _log(f"{args.size} {name} ...")
         config = focal_config(args.size, attn=attn, remat=args.remat)
+        abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+        step, step_args = _train_step_and_args(abstract, OptimConfig(), args.batch, args.seq_len, bf16)
+        with target_platform(platform):  # the platform compiled for, if not this process's
+            total, low = matmul_flops(step, *step_args)
+        if args.compile_for_h200:
+            memory = compile_only.compile_for(step, *step_args, device=device).memory_analysis()
+            state = memory.argument_size_in_bytes + memory.output_size_in_bytes
+            rows.append([args.size, name, f"{memory.temp_size_in_bytes / 2**30:.2f}", f"{state / 2**30:.2f}",
+                         f"{total / 1e12:.1f}", f"{100 * low / total:.0f}%"])
+            continue
         model = Llama(config, rngs=nnx.Rngs(0))
         flops = train_flops_per_token(matmul_param_count(model), config.n_layers, args.seq_len, config.d_model)
-        seconds = _train_step_seconds(model, OptimConfig(), args.batch, args.seq_len, args.repeats,
-                                      jax.numpy.bfloat16)
+        seconds = _train_step_seconds(model, OptimConfig(), args.batch, args.seq_len, args.repeats, bf16)
         del model
         tokens_per_s = args.batch * args.seq_len / seconds
         utilisation = mfu(tokens_per_s, flops, 1, peak)
         rows.append([args.size, name, _fmt_ms(seconds), f"{tokens_per_s:,.0f}",
-                     "n/a (peak unknown)" if utilisation is None else f"{100 * utilisation:.1f}%"])
-    print(_inputs.markdown_table(["model", "attention", "step (ms)", "tokens/s", "MFU"], rows))
+                     "n/a (peak unknown)" if utilisation is None else f"{100 * utilisation:.1f}%",
+                     f"{100 * low / total:.0f}%"])
+    if args.compile_for_h200:
+        print(_inputs.markdown_table(["model", "attention", "temporary memory (GiB)", "arguments + outputs (GiB)",
+                                      "matmul TFLOP per step (XLA)", "of which 16-bit"], rows))
+        print("\nMemory: XLA's buffer assignment for the H200 (141 GB); the arguments and outputs are the "
+              "parameters, AdamW state and batch (the step does not donate them here). Matmul FLOPs: the step's "
+              "traced products, outside the Pallas kernels and cuDNN's attention (which take bf16 operands with "
+              "float32 accumulation).")
+        return 0
+    print(_inputs.markdown_table(["model", "attention", "step (ms)", "tokens/s", "MFU",
+                                  "matmul FLOPs in 16-bit (XLA's; kernels apart)"], rows))
     return 0
 
 
@@ -695,6 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=int, default=8, help="with --size: sequences per step")
     train.add_argument("--seq-len", type=int, default=2048, help="with --size: tokens per sequence")
     train.add_argument("--remat", action="store_true", help="with --size: rematerialise each block")
+    train.add_argument("--compile-for-h200", action="store_true",
+                       help="with --size: no timing, the step's memory compiled for an H200 (in .venv-compile)")
     train.set_defaults(run=run_train)
     kernel = sub.add_parser("kernel", help="dense (cuDNN) vs focal through the kernel vs decomposed vs fused kernel")
     kernel.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])

@@ -5,7 +5,9 @@ XLA compiles for a device it is only told about, with none attached:
 * a GPU from a description of it (a `GpuTargetConfigProto`; `H200` below), when jaxlib's CUDA plugin is installed
   (`jax-cuda12-plugin` of jax's version, and `nvidia-cuda-nvcc-cu12` for ptxas). Triton's whole pipeline runs down
   to sm_90 machine code, so what lowering alone cannot see (a kernel needing more shared memory than the GPU has)
-  fails here as on the device; `ptxas -v` on the emitted PTX reports each kernel's registers and spills.
+  fails here as on the device; `ptxas -v` on the emitted PTX reports each kernel's registers and spills. With
+  cuDNN installed (`nvidia-cudnn-cu12`), cuDNN attention (the models' `impl='cudnn'`) lowers and compiles too, as
+  XLA custom calls; cuDNN itself builds their graphs only on a device.
 * a TPU from a topology name (`'v5e:2x2'`, `'v5p:2x2x1'`, `'v6e:2x2'`, `'v4:2x2x1'`), when libtpu is installed
   (`jax[tpu]`). Mosaic compiles the kernels for that generation, so a kernel needing more VMEM than it has fails.
 
@@ -78,6 +80,15 @@ def has_cuda_plugin() -> bool:
         return False
 
 
+def has_cudnn() -> bool:
+    """Whether cuDNN (`nvidia-cudnn-cu12`) is installed, which `jax.nn.dot_product_attention(implementation='cudnn')`
+    needs in order to lower."""
+    try:
+        return importlib.util.find_spec("nvidia.cudnn") is not None
+    except ModuleNotFoundError:  # no `nvidia` package at all
+        return False
+
+
 def has_libtpu() -> bool:
     """Whether libtpu (`jax[tpu]`) is installed."""
     return importlib.util.find_spec("libtpu") is not None
@@ -112,7 +123,7 @@ def compile_for(fn, *args, device, dump_to=None):
     sharding = jax.sharding.SingleDeviceSharding(device)
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
     options = {} if dump_to is None else {"xla_dump_to": dump_to}
-    with target_platform(device.platform):  # the kernels' default backend is the device's, not this process's
+    with target_platform(device.platform):  # the kernels' backend and the cuDNN guard see the device's platform
         return jax.jit(fn).trace(*specs).lower().compile(options)
 
 

@@ -529,11 +529,14 @@ def target_platform(platform: str):
         _TARGET_PLATFORM.reset(token)
 
 
+def platform() -> str:
+    """The platform being compiled for: `target_platform`'s inside one, else `jax.default_backend()`."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
 def default_backend() -> str:
-    """'triton' on GPUs, 'mosaic' on TPUs, 'interpret' elsewhere (CPU); the platform is `target_platform`'s if
-    inside one, else `jax.default_backend()`."""
-    platform = _TARGET_PLATFORM.get() or jax.default_backend()
-    return {"gpu": "triton", "tpu": "mosaic"}.get(platform, "interpret")
+    """'triton' on GPUs, 'mosaic' on TPUs, 'interpret' elsewhere (CPU), for the platform of `platform()`."""
+    return {"gpu": "triton", "tpu": "mosaic"}.get(platform(), "interpret")
 
 
 def _head_major(x, index):

@@ -5,6 +5,8 @@ register spills) and the Mosaic form for four TPU generations (within their VMEM
 Needs jaxlib's CUDA plugin, ptxas and libtpu: `make compile-check` installs them in `.venv-compile` and runs this
 file (CI runs it after `make test`); in the main environment its tests are skipped."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -14,9 +16,14 @@ from flax import nnx
 from focal_jax.kernels import compile_only
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.train.optimizer import OptimConfig, split_trainable
+from focal_jax.train.trainer import make_steps
 
 needs_cuda = pytest.mark.skipif(not compile_only.has_cuda_plugin(),
                                 reason="needs jaxlib's CUDA plugin: make compile-check runs these in .venv-compile")
+needs_cudnn = pytest.mark.skipif(not (compile_only.has_cuda_plugin() and compile_only.has_cudnn()),
+                                 reason="needs jaxlib's CUDA plugin and cuDNN: make compile-check runs these in "
+                                        ".venv-compile")
 needs_libtpu = pytest.mark.skipif(not compile_only.has_libtpu(),
                                   reason="needs libtpu: make compile-check runs these in .venv-compile")
 
@@ -127,34 +134,64 @@ def test_the_tpu_check_sees_a_vmem_overflow():
 # ------------------------------------------------------------------------------------------------ a model's step
 
 
-def model_train_step():
-    """(gradient function, model state, tokens) of a small LLaMA with Focal + hard Focus through the kernels."""
-    config = LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, intermediate=256,
-                         attn={"kind": "focal+focus", "impl": "pallas", "focus_topk": 1, "focus_groups": 4,
-                               "focus_window": 32, "focal_t": 0.4})
-    graphdef, state = nnx.split(Llama(config, rngs=nnx.Rngs(0)))
+def trainer_step(attn, *, d_model=128, n_heads=2, n_kv_heads=1):
+    """The trainer's step (`make_steps`: bf16 compute, AdamW) of a small 2-layer LLaMA with attention `attn`, and
+    its arguments as shapes: a packed batch of 2 rows of T tokens with segment ids."""
+    config = LlamaConfig(vocab_size=256, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                         intermediate=2 * d_model, attn=attn)
+    graphdef, trainable, frozen = split_trainable(Llama(config, rngs=nnx.Rngs(0)), OptimConfig())
+    tx = optax.adamw(1e-3)
+    train_step, _ = make_steps(graphdef, tx, jnp.bfloat16)
+    tokens = jax.ShapeDtypeStruct((2, T), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "positions": tokens, "segment_ids": tokens,
+             "loss_mask": jax.ShapeDtypeStruct((2, T), jnp.float32)}
+    return train_step, (trainable, jax.eval_shape(tx.init, trainable), frozen, batch)
 
-    def loss(state, tokens):
-        logits = nnx.merge(graphdef, state)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    return jax.grad(loss), state, jax.ShapeDtypeStruct((2, T + 1), jnp.int32)
+HARD_FOCUS = {"kind": "focal+focus", "impl": "pallas", "focus_topk": 1, "focus_groups": 4, "focus_window": 32,
+              "focal_t": 0.4}
 
 
 @needs_cuda
 def test_a_model_train_step_with_impl_pallas_compiles_for_the_h200(h200):
-    step, state, tokens = model_train_step()
-    assert "triton" in compile_only.compile_for(step, state, tokens, device=h200).as_text().lower()
+    """Focal + hard Focus through the kernels, in the trainer's bf16 step."""
+    step, args = trainer_step(HARD_FOCUS)
+    assert "triton" in compile_only.compile_for(step, *args, device=h200).as_text().lower()
+
+
+@needs_cudnn
+@pytest.mark.parametrize("kind,window", [("dense", None), ("focal", None), ("focal", 32)])
+def test_a_model_train_step_with_impl_cudnn_compiles_for_the_h200(h200, kind, window):
+    """cuDNN attention (GQA, segments) in the trainer's bf16 step: jax's cuDNN checks pass and XLA compiles the
+    forward and backward custom calls for sm_90. (cuDNN builds its graphs only on a device, so
+    `tests/test_gpu.py` still has to run on one.)"""
+    step, args = trainer_step({"kind": kind, "impl": "cudnn", "window": window, "focal_t": 0.4}, d_model=256,
+                              n_heads=4, n_kv_heads=2)
+    compiled = compile_only.compile_for(step, *args, device=h200).as_text()
+    targets = re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', compiled)
+    assert len([t for t in targets if not t.endswith("Backward")]) == 2, targets  # one per layer
+    assert len([t for t in targets if t.endswith("Backward")]) == 2, targets
 
 
 @needs_libtpu
 def test_a_model_train_step_with_impl_pallas_compiles_for_a_tpu():
-    step, state, tokens = model_train_step()
-    compiled = compile_only.compile_for(step, state, tokens, device=compile_only.tpu_device("v5e:2x2"))
+    step, args = trainer_step(HARD_FOCUS)
+    compiled = compile_only.compile_for(step, *args, device=compile_only.tpu_device("v5e:2x2"))
     assert "tpu_custom_call" in compiled.as_text()
 
 
 # ------------------------------------------------------------------------------------------------ the report
+
+
+@needs_cudnn
+def test_bench_train_compiled_for_the_h200_reports_every_kind(capsys):
+    from focal_jax import bench
+
+    assert bench.main(["train", "--size", "tiny", "--batch", "2", "--seq-len", "128", "--compile-for-h200"]) == 0
+    out = capsys.readouterr().out
+    kinds = ("dense", "dense (cudnn)", "focal (t=0.4)", "focal learned", "Focus hard top-1 (K=8, w=128, pallas)")
+    for kind in kinds:
+        assert re.search(rf"\| tiny +\| {re.escape(kind)} +\| [\d.]+ +\| [\d.]+ +\| [\d.]+ +\| \d+% +\|", out), kind
 
 
 @needs_cuda

@@ -177,6 +177,42 @@ def test_bf16_inputs_follow_float32_reference():
     assert got.shape == q.shape
     want = reference.attention(qb, kb, vb, temperature=0.4)
     assert_close(got.astype(jnp.float32), want, atol=2e-2)
+    scale = 1.0 / (0.4 * np.sqrt(q.shape[-1]))
+    outside = jax.nn.dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, implementation="xla")
+    assert got.dtype == outside.dtype == jnp.bfloat16
+    assert_close(got.astype(jnp.float32), outside.astype(jnp.float32), atol=1e-2)
+
+
+def test_bf16_value_product_runs_in_16_bits():
+    """With bf16 inputs both forward products take bf16 operands, and so do the backward's two products with v and
+    the output's cotangent (4 of the 6; dq and dk meet the float32 softmax gradient, as in jax.nn's XLA path)."""
+    from focal_jax.bench import matmul_flops
+
+    q, k, v = (x.astype(jnp.bfloat16) for x in rand_qkv(15, hk=2))
+    forward = lambda q, k, v: focal_attention(q, k, v, temperature=0.4)
+    total, low = matmul_flops(forward, q, k, v)
+    assert low == total > 0
+    total, low = matmul_flops(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2)),
+                              q, k, v)
+    assert low == pytest.approx(total * 4 / 6)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_bf16_gradients_follow_float32_reference(segmented):
+    """The 16-bit value product (probabilities cast to bf16, as jax.nn's XLA path) keeps the gradients within bf16
+    rounding of the float32 reference's."""
+    q, k, v = rand_qkv(14, hk=2)
+    seg = jnp.asarray([[0] * 25 + [1] * 15, [2] * 9 + [3] * 31], jnp.int32) if segmented else None
+    cotangent = jax.random.normal(jax.random.key(3), q.shape[:3] + v.shape[-1:])
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
+    ours = jax.grad(loss(lambda q, k, v: focal_attention(q, k, v, temperature=0.4, window=11, segment_ids=seg)),
+                    argnums=(0, 1, 2))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    want = jax.grad(loss(lambda q, k, v: reference.attention(q, k, v, temperature=0.4, window=11, segment_ids=seg)),
+                    argnums=(0, 1, 2))(q, k, v)
+    for name, got, expected in zip("qkv", ours, want):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(expected)))
+        assert_close(got.astype(jnp.float32) / scale, expected / scale, atol=3e-2, what=f"d{name}")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -185,14 +185,15 @@ def test_lowers_without_a_device(platform, backend, dtype, head_dim):
 def test_target_platform_sets_the_default_backend():
     here = ks.default_backend()  # 'interpret' on CPU
     assert here == {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")
+    assert ks.platform() == jax.default_backend()
     with ks.target_platform("gpu"):
-        assert ks.default_backend() == "triton"
+        assert ks.default_backend() == "triton" and ks.platform() == "gpu"
         with ks.target_platform("tpu"):
             assert ks.default_backend() == "mosaic"
         assert ks.default_backend() == "triton"
     with ks.target_platform("cpu"):
         assert ks.default_backend() == "interpret"
-    assert ks.default_backend() == here
+    assert ks.default_backend() == here and ks.platform() == jax.default_backend()
 
 
 def test_bad_backend_tpu_block_sizes_and_triton_launch_name_the_value():

@@ -108,6 +108,27 @@ def test_bench_train_size_prints_every_kind(capsys):
     out = capsys.readouterr().out
     for kind in ("dense", "focal (t=0.4)", "focal learned", "Focus hard top-1"):
         assert f"| {kind}" in out
+    assert "cudnn" not in out  # GPUs only
+    assert re.search(r"\| dense +\| [\d.]+ +\| [\d,]+ +\| n/a \(peak unknown\) +\| \d+% +\|", out)
+
+
+def test_matmul_flops_counts_precision_through_calls_and_scans():
+    """2 M N K per product; a scan's body counts `length` times; nested jit and remat are entered; 16-bit only when
+    both operands are; the products inside a Pallas kernel are left out."""
+    from focal_jax.kernels.focus_sparse import dot_product_pallas
+
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16)
+    assert bench.matmul_flops(lambda a, b: a @ b, a, b) == (2 * 4 * 8 * 16,) * 2
+    assert bench.matmul_flops(lambda a, b: a.astype(jnp.float32) @ b, a, b) == (2 * 4 * 8 * 16, 0.0)
+
+    def scanned(a, b):
+        body = jax.checkpoint(lambda carry, _: (jax.jit(lambda c: c @ b @ b.T)(carry), None))
+        return jax.lax.scan(body, a, None, length=3)[0]
+
+    assert bench.matmul_flops(scanned, a, b) == (3 * 2 * 2 * 4 * 8 * 16,) * 2
+    q = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
+    assert bench.matmul_flops(lambda q: dot_product_pallas(q, q, q, multiplier=1.0) @ jnp.ones((8, 8), q.dtype),
+                              q) == (2 * 16 * 2 * 8 * 8,) * 2
 
 
 def test_bench_shard_prints_both_calls(capsys):

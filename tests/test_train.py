@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from focal_jax.nn.attention import record_attention
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.variables import Centroid
@@ -28,7 +29,7 @@ from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
 from focal_jax.train.sharding import make_mesh, partition_spec
-from focal_jax.train.trainer import init_model, load_model
+from focal_jax.train.trainer import cast_floats, init_model, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden_trainable.json")
@@ -192,6 +193,21 @@ def test_remat_and_bf16(tmp_path, cache_dir):
     saved = checkpoint.make_manager(bf16, create=False).item_metadata(3)["params"]
     assert {np.dtype(m.dtype) for m in jax.tree.leaves(saved, is_leaf=lambda x: hasattr(x, "dtype"))} == {
         np.dtype("float32")}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compute_dtype_reaches_every_layer(family):
+    """Parameters cast to bf16 for the forward pass (what `make_steps` does with compute_dtype) give bf16 layer
+    inputs, q, k and v: the embedding lookup does not promote them back to the float32 the model was built with.
+    Logits stay float32."""
+    model = (Llama(focal_config("tiny"), rngs=nnx.Rngs(0)) if family == "llama" else
+             GPT2(GPT2Config(vocab_size=64, n_positions=16, d_model=32, n_layers=2, n_heads=2), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    bf16 = nnx.merge(graphdef, cast_floats(nnx.to_pure_dict(state), jnp.bfloat16))
+    with record_attention() as records:
+        logits = bf16(jnp.zeros((1, 8), jnp.int32))
+    assert len(records) == 2 and logits.dtype == jnp.float32
+    assert {records[i][name].dtype for i in range(2) for name in ("x", "q", "k", "v")} == {jnp.dtype(jnp.bfloat16)}
 
 
 def run_cli(args, env=None, **kwargs):

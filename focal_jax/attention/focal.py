@@ -37,16 +37,23 @@ def attend(logits, v, mask):
     """Masked softmax over keys, then the weighted sum of values.
 
     logits `[B, H, T, S]` float32, v `[B, S, Hk, Dv]`, mask bool `[B, T, S]` -> `[B, T, H, Dv]` in v's dtype.
-    A query with no visible key gets zeros. The normalisation is applied after the value product, on `[T, Dv]`
-    rather than `[T, S]`.
+    A query with no visible key gets zeros. The softmax is computed in float32. With float32 `v` the value product
+    takes the unnormalised weights and the normalisation is applied after it, on `[T, Dv]` rather than `[T, S]`.
+    With 16-bit `v` (bf16, fp16) the probabilities are cast to v's dtype for the value product, as in
+    `jax.nn.dot_product_attention`'s XLA path: that product and its two backward products run in 16 bits (the
+    matmul units' rate on a GPU or TPU), and the `[B, H, T, S]` probabilities kept for the backward pass take half
+    the memory.
     """
     logits = jnp.where(mask[:, None], logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
     denom = jnp.sum(weights, axis=-1)
-    values = _repeat_kv_heads(v, logits.shape[1]).astype(jnp.float32)
-    out = jnp.einsum("bhts,bshd->bhtd", weights, values)
-    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    denom = jnp.where(denom > 0, denom, 1.0)[..., None]
+    values = _repeat_kv_heads(v, logits.shape[1])
+    if jnp.dtype(v.dtype).itemsize < 4:
+        out = jnp.einsum("bhts,bshd->bhtd", (weights / denom).astype(v.dtype), values)
+    else:
+        out = jnp.einsum("bhts,bshd->bhtd", weights, values.astype(jnp.float32)) / denom
     return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
 
 

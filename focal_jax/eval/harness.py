@@ -35,9 +35,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lm_eval import utils as lm_utils
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+try:
+    from lm_eval import utils as lm_utils
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+except ModuleNotFoundError as error:
+    if error.name != "lm_eval":
+        raise
+    raise ModuleNotFoundError("focal_jax.eval.harness is the lm-evaluation-harness adapter and needs it: "
+                              "pip install 'focal_jax[eval]' (or pip install lm_eval)", name="lm_eval") from None
 from tqdm import tqdm
 
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer

@@ -16,6 +16,7 @@ from focal_jax import attention as fa
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask
+from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
 from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
 from focal_jax.nn.variables import Centroid, Temperature
@@ -111,9 +112,9 @@ class AttentionConfig:
       focus_topk is set) | 'focal+focus' (focus with the focal_t temperature applied first) | a name registered
       with `register_attention` (a function of q, k, v; impl 'xla').
     impl: 'xla' (the pure functions; the dense masked reference for hard Focus) | 'cudnn' (dense / focal only,
-      GPU only, bf16 / fp16 inputs) | 'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (the
-      block-sparse Pallas kernels of `focal_jax.kernels.focus_sparse`: dense / focal / focal_learned, and hard
-      Focus; not the soft gate).
+      GPU only, bf16 / fp16 inputs; segment ids become a dense `[B, 1, T, T]` mask, which cuDNN takes as a bias) |
+      'decomposed' (hard Focus only: the exact blockwise path) | 'pallas' (the block-sparse Pallas kernels of
+      `focal_jax.kernels.focus_sparse`: dense / focal / focal_learned, and hard Focus; not the soft gate).
     qk_norm: None | 'head' (Qwen3: RMSNorm over head_dim, per head) | 'full' (OLMo-2: RMSNorm over all heads'
       q and k before reshaping).
     rope_theta: None for no rotary embedding (GPT-2 uses learned positions).
@@ -443,8 +444,8 @@ def _assign(config: AttentionConfig, scores, *, segment_ids=None, causal=False):
 
 def _cudnn_attention(q, k, v, temperature, window, segment_ids):
     """Causal (segment-masked) attention through cuDNN's fused kernel: GPU only, bf16 / fp16 inputs."""
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"impl='cudnn' needs a GPU backend, but jax runs on {jax.default_backend()!r}; "
+    if focus_sparse.platform() != "gpu":  # jax's platform, or the target of `compile_only.compile_for`
+        raise ValueError(f"impl='cudnn' needs a GPU backend, but jax runs on {focus_sparse.platform()!r}; "
                          f"use impl='xla'")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"impl='cudnn' needs bfloat16 or float16 activations, got {q.dtype}; use impl='xla' "

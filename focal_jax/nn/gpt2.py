@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import apply_block, rows_at
+from focal_jax.nn.layers import apply_block, embed, rows_at
 
 ACTIVATIONS = {
     # Hugging Face names -> jax.nn.gelu's `approximate` flag.
@@ -202,7 +202,7 @@ class GPT2(nnx.Module):
         if segment_ids is not None and jnp.shape(segment_ids) != (b, t):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
                              f"{jnp.shape(segment_ids)}")
-        x = self.wte(tokens) + self.wpe(positions)
+        x = embed(self.wte, tokens) + embed(self.wpe, positions)
         layer_caches = []
         for i, block in enumerate(self.h):
             if cache is None:
@@ -211,8 +211,8 @@ class GPT2(nnx.Module):
                 x, layer_cache = block(x, positions=positions, cache=cache["layers"][i], cache_index=cache["index"])
                 layer_caches.append(layer_cache)
         x = self.ln_f(rows_at(x, logits_at))
-        embedding = self.wte.embedding[...]
-        logits = jnp.einsum("btd,vd->btv", x.astype(jnp.float32), embedding.astype(jnp.float32))
+        logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(x.dtype),
+                            preferred_element_type=jnp.float32)  # in the compute dtype, float32 logits
         if cache is None:
             return logits
         return logits, {"index": cache["index"] + t, "layers": tuple(layer_caches)}

@@ -1,4 +1,5 @@
-"""Building blocks of the LLaMA-family decoder: RMSNorm, rotary embeddings (pure functions), SwiGLU MLP."""
+"""Building blocks of the LLaMA-family decoder: RMSNorm, rotary embeddings (pure functions), SwiGLU MLP, embedding
+lookup."""
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,14 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def embed(table: nnx.Embed, ids):
+    """Rows `ids [...]` of `table`'s embedding `[N, d]` -> `[..., d]`, in the dtype the embedding has now. (Calling
+    `nnx.Embed` promotes to the dtype it was built with, so a table cast to bf16 for the forward pass, as the
+    trainer's `compute_dtype` does, would give float32 activations, and every layer after it would compute in
+    float32.)"""
+    return jnp.take(table.embedding[...], ids, axis=0)
 
 
 def apply_block(block, x, *, positions, segment_ids=None, remat: bool = False):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, rows_at
+from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, rows_at
 
 _DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
             "rope_theta")
@@ -151,7 +151,7 @@ class Llama(nnx.Module):
         elif positions is None:
             positions = (jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if segment_ids is None
                          else segment_positions(segment_ids))
-        x = self.embed_tokens(tokens)
+        x = embed(self.embed_tokens, tokens)
         layer_caches = []
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -159,14 +159,12 @@ class Llama(nnx.Module):
             else:
                 x, layer_cache = layer(x, positions=positions, cache=cache["layers"][i], cache_index=index)
                 layer_caches.append(layer_cache)
-        x = self.norm(rows_at(x, logits_at)).astype(jnp.float32)
-        if self.config.tie_embeddings:
-            w = self.embed_tokens.embedding[...].astype(jnp.float32).T
-        else:
-            w = self.lm_head.kernel[...].astype(jnp.float32)
+        x = self.norm(rows_at(x, logits_at))
+        w = self.embed_tokens.embedding[...].T if self.config.tie_embeddings else self.lm_head.kernel[...]
+        logits = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # in the compute dtype
         if cache is None:
-            return x @ w
-        return x @ w, {"index": index + tokens.shape[1], "layers": tuple(layer_caches)}
+            return logits
+        return logits, {"index": index + tokens.shape[1], "layers": tuple(layer_caches)}
 
 
 # The Focal paper's sizes (FOCAL_SPEC.md, Table 3): hidden, intermediate, heads, layers; vocab 32000, untied,

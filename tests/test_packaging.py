@@ -1,0 +1,102 @@
+"""What `pip install focal_jax` (no extras) must bring: every module-level import of the library comes from the
+standard library, the project itself, or a requirement that `setup.py` declares for it. An undeclared one passes
+every other test here (the test extra installs it) and breaks a user's install. `make compile-check` runs this file
+again in `.venv-compile`, which has the project without extras, where every module is also imported."""
+
+import ast
+import importlib
+import importlib.metadata
+import pathlib
+import pkgutil
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCES = sorted([*(ROOT / "focal_jax").rglob("*.py"), *(ROOT / "kernels").glob("*.py"),
+                  *(ROOT / "configs").glob("*.py")])
+# Modules that are an extra's adapter: their module-level imports may come from that extra.
+EXTRA_MODULES = {"focal_jax/eval/harness.py": "eval"}
+EXTRA_MODULE_NAMES = {"focal_jax.eval.harness": "eval"}
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(extra: str | None) -> set[str]:
+    """Normalized distribution names that `pip install focal_jax` (extra None) or `focal_jax[extra]` brings."""
+    names = set()
+    for requirement in importlib.metadata.requires("focal_jax") or []:
+        marker = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", requirement)
+        if marker is None or marker.group(1) == extra:
+            names.add(_normalized(re.match(r"[A-Za-z0-9._-]+", requirement).group(0)))
+    return names
+
+
+def module_level_imports(tree: ast.Module) -> set[str]:
+    """Top-level package names imported when the module is imported (not inside functions)."""
+    names, pending = set(), list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def undeclared(source: str, relative_path: str, distributions: dict[str, list[str]]) -> list[str]:
+    """The module-level imports of `source` (the file at `relative_path`) that no declared requirement provides."""
+    extra = EXTRA_MODULES.get(relative_path)
+    allowed = declared(None) | (declared(extra) if extra else set())
+    missing = []
+    for name in sorted(module_level_imports(ast.parse(source))):
+        if name in sys.stdlib_module_names or name == "focal_jax":
+            continue
+        if not {_normalized(d) for d in distributions.get(name, [name])} & allowed:
+            missing.append(f"{name} (from {distributions.get(name, ['an unknown distribution'])})")
+    return missing
+
+
+@pytest.fixture(scope="module")
+def distributions():
+    return importlib.metadata.packages_distributions()
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_module_level_imports_are_declared(path, distributions):
+    relative_path = path.relative_to(ROOT).as_posix()
+    missing = undeclared(path.read_text(), relative_path, distributions)
+    assert not missing, f"{relative_path} imports {missing} at module level, which setup.py does not declare for it"
+
+
+def test_the_check_sees_an_undeclared_import(distributions):
+    """Negative control: a test-only requirement imported at module level is caught, also inside a `try`; the same
+    import inside a function is not; an extra's adapter module may import that extra's requirements."""
+    source = "import json\ntry:\n    import transformers\nexcept ImportError:\n    pass\n\ndef f():\n    import torch\n"
+    assert module_level_imports(ast.parse(source)) == {"json", "transformers"}
+    assert [m.split()[0] for m in undeclared(source, "focal_jax/probe.py", distributions)] == ["transformers"]
+    assert undeclared("import lm_eval\n", "focal_jax/probe.py", distributions)
+    assert undeclared("import lm_eval\n", "focal_jax/eval/harness.py", distributions) == []
+
+
+def test_every_module_imports():
+    """Each module of the installed package imports; an extra's adapter, where that extra is not installed, fails
+    with an error that names the extra."""
+    import focal_jax
+    import focal_jax.configs
+    import focal_jax.kernels  # package_dirs of their own: not under focal_jax.__path__ in an editable install
+
+    names = sorted({m.name for package in (focal_jax, focal_jax.kernels, focal_jax.configs)
+                    for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")})
+    assert {"focal_jax.kernels.focus_sparse", "focal_jax.train.trainer", "focal_jax.configs.common"} <= set(names)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            assert name in EXTRA_MODULE_NAMES, f"{name}: {error}"
+            assert f"focal_jax[{EXTRA_MODULE_NAMES[name]}]" in str(error), error
