@@ -170,6 +170,22 @@ def test_softcap_equals_reference(segmented):
     assert float(jnp.max(jnp.abs(got - reference.attention(q, k, v, **kw)))) > 1e-2  # the cap acts
 
 
+def test_per_query_temperature_costs_no_extra_logits_in_the_backward():
+    """A per-query temperature scales q, so its gradient does not keep another float32 `[B, H, T, S]` array: the
+    compiled gradient's temporary memory stays within a quarter of one such array of the constant temperature's."""
+    b, t, h, d = 2, 512, 4, 32
+    q = jnp.ones((b, t, h, d), jnp.bfloat16)
+
+    def temporary_bytes(fn, *args):
+        grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=tuple(range(len(args)))))
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    constant = temporary_bytes(lambda q, k, v: focal_attention(q, k, v, temperature=0.5), q, q, q)
+    per_query = temporary_bytes(lambda q, k, v, tau: focal_attention(q, k, v, scale=1.0, temperature=tau), q, q, q,
+                                jnp.full((b, t, 1), 0.5))
+    assert per_query < constant + b * h * t * t * 4 / 4
+
+
 def test_bf16_inputs_follow_float32_reference():
     q, k, v = rand_qkv(13)
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))

@@ -23,13 +23,14 @@ def attention_logits(q, k, multiplier, softcap=None):
     `softcap` is set (Gemma-2 style logit capping; after the temperature).
 
     q `[B, T, H, D]`, k `[B, S, Hk, D]`; `multiplier` is a scalar or `[B, T, H]` (scale / temperature, per query and
-    head).
+    head). A per-query multiplier scales q (in q's dtype) rather than the logits, so that its gradient needs q, not
+    the `[B, H, T, S]` float32 logits before scaling.
     """
+    if jnp.ndim(multiplier) > 0:
+        q = (q.astype(jnp.float32) * multiplier[..., None]).astype(q.dtype)
     logits = jnp.einsum("bthd,bshd->bhts", q, _repeat_kv_heads(k, q.shape[2]), preferred_element_type=jnp.float32)
     if jnp.ndim(multiplier) == 0:
         logits = logits * multiplier
-    else:
-        logits = logits * jnp.transpose(multiplier, (0, 2, 1))[..., None]
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
