@@ -52,15 +52,22 @@ compile-check: $(VENV_COMPILE)/.installed
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). What that
 # machine's image lacks (grain, ml-collections, array-record, portpicker; the trainer imports them) travels as
-# wheels: `make device-wheels` here fills .whl (Python 3.12, x86-64), which the device run carries.
+# wheels: `make device-wheels` here fills .whl (Python 3.12, x86-64), which the device run carries. Most needed
+# first, each step time-boxed (9.5 minutes in all, inside the device tool's 10 per command) and logged to $OUT (the
+# device tool's output folder) as it ends, so that a step that fails or runs out keeps the others' results.
+GPU_LOGS = $(if $(OUT),$(OUT),/tmp)
 gpu-check: export PYTHONPATH = /tmp/site
+gpu-check: export PYTHONUNBUFFERED = 1
 gpu-check:
 	if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	$(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
-	$(PYTHON) -m focal_jax.bench kernel
-	$(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2
-	$(PYTHON) -m focal_jax.bench train --size 400M
+	-timeout 150 $(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py 2>&1 | tee $(GPU_LOGS)/tests.log
+	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 2>&1 | tee $(GPU_LOGS)/kernel_16k.log
+	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 32768 2>&1 | tee $(GPU_LOGS)/kernel_32k.log
+	-timeout 120 $(PYTHON) -m focal_jax.bench train --size 400M --repeats 3 2>&1 | tee $(GPU_LOGS)/train_400m.log
+	-timeout 60 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2 2>&1 \
+		| tee $(GPU_LOGS)/launch_16k.log
+	-timeout 40 $(PYTHON) -m focal_jax.bench kernel --lengths 4096 65536 2>&1 | tee $(GPU_LOGS)/kernel_4k_64k.log
 
 device-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -720,7 +720,9 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
     temperature) scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]` in v's dtype.
-    Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and the multiplier.
+    Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and the multiplier. For
+    float32 inputs they follow jax's default matmul precision, as XLA's own products do: TF32 on a recent GPU unless
+    `jax.default_matmul_precision('float32')` asks for full float32.
     `block_size`: set A's tile (entries; default 64, 128 on TPU, whose tiles are 128 wide); `band_block_size`: set
     B's tile (tokens; default 32, small because the band needs only `window + 1` keys per query and a tile of b
     queries reads `b + window` keys; 128 on TPU). `backend`: one of `BACKENDS`; default `default_backend()`.

@@ -1,5 +1,5 @@
 """Checks that need a GPU (skipped, and reported as skipped, elsewhere): cuDNN attention in the model against the
-XLA path. The Pallas kernels' tests (`test_kernels.py`) run the Triton kernels by themselves on a GPU."""
+XLA path. On a GPU, `test_kernels.py` runs its GPU-form cases as Triton kernels instead of in interpret mode."""
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,8 @@
-"""The Pallas kernels (`focal_jax.kernels.focus_sparse`) in interpret mode (the GPU form, and for a subset the TPU
-form with its DMAs) against the naive reference, their GPU and TPU lowering without a device, and the block plan's
-coverage and cost."""
+"""The Pallas kernels (`focal_jax.kernels.focus_sparse`) against the naive reference: the GPU form in interpret mode,
+or as Triton kernels when a GPU is there (`make gpu-check`), and for a subset the TPU form in interpret mode with its
+DMAs; their GPU and TPU lowering without a device; the block plan's coverage and cost. Matrix products run in full
+float32 here (`jax.default_matmul_precision('float32')`): on a GPU jax's default for float32 inputs, which the
+kernels follow, is TF32."""
 
 import jax
 import jax.extend
@@ -33,6 +35,14 @@ def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
+GPU_FORM = "triton" if jax.default_backend() == "gpu" else "interpret"
+
+
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    with jax.default_matmul_precision("float32"):
+        yield
+
 CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head_dim, softcap, block, band_block)
     "odd length, top-1": (77, 3, 1, 5, 0, False, 4, 4, 16, None, 16, 8),
     "top-2, segments, GQA, head_dim 64": (70, 4, 2, 9, 0, True, 4, 2, 64, None, 32, 16),
@@ -48,10 +58,12 @@ TPU_CASES = ["top-2, segments, GQA, head_dim 64", "window 0, sink 3, softcap"]  
 # interpret: cases that cover its reads (GQA, multi-group ids, segments, sink walks, the band)
 
 
-@pytest.mark.parametrize("name,backend", [(name, "interpret") for name in CASES]
+@pytest.mark.parametrize("name,backend", [(name, GPU_FORM) for name in CASES]
                          + [(name, "mosaic_interpret") for name in TPU_CASES])
 def test_focus_kernel_matches_reference(name, backend):
     t, groups, k, window, sink, segmented, h, hk, d, softcap, block, band_block = CASES[name]
+    if backend == "triton":  # Triton's matrix products take at least 16 rows
+        block, band_block = max(block, 16), max(band_block, 16)
     q, key, v = rand_qkv(len(name), 2, t, h, hk, d)
     membership = random_membership(1, 2, t, groups, k)
     segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
@@ -98,8 +110,8 @@ def test_bf16_inputs_accumulate_in_float32():
     assert_grads_close(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
 
 
-@pytest.mark.parametrize("window,backend", [(None, "interpret"), (0, "interpret"), (7, "interpret"),
-                                            (100, "interpret"), (7, "mosaic_interpret")])
+@pytest.mark.parametrize("window,backend", [(None, GPU_FORM), (0, GPU_FORM), (7, GPU_FORM), (100, GPU_FORM),
+                                            (7, "mosaic_interpret")])
 def test_dense_and_focal_through_the_kernel(window, backend):
     """No groups: every causal pair (one group) or the local band (no group), against jax.nn.dot_product_attention
     (an outside implementation) and the reference, with segments, GQA and a focal temperature."""
@@ -113,8 +125,8 @@ def test_dense_and_focal_through_the_kernel(window, backend):
                                             local_window_size=None if window is None else (window, 0))
 
     kernel = lambda q, k, v: ks.dot_product_pallas(q, k, v, multiplier=0.25 / 0.4, window=window,
-                                                   segment_ids=segment_ids, block_size=16, band_block_size=8,
-                                                   backend=backend)
+                                                   segment_ids=segment_ids, block_size=16,
+                                                   band_block_size=16 if backend == "triton" else 8, backend=backend)
     expected = reference.attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
     assert_close(kernel(q, k, v), outside(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
     assert_close(kernel(q, k, v), expected, atol=1e-5, what=f"window={window} vs reference")
