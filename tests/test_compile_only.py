@@ -134,17 +134,17 @@ def test_the_tpu_check_sees_a_vmem_overflow():
 # ------------------------------------------------------------------------------------------------ a model's step
 
 
-def trainer_step(attn, *, d_model=128, n_heads=2, n_kv_heads=1):
+def trainer_step(attn, *, d_model=128, n_heads=2, n_kv_heads=1, seq_len=T):
     """The trainer's step (`make_steps`: bf16 compute, AdamW) of a small 2-layer LLaMA with attention `attn`, and
-    its arguments as shapes: a packed batch of 2 rows of T tokens with segment ids."""
+    its arguments as shapes: a packed batch of 2 rows of `seq_len` tokens with segment ids."""
     config = LlamaConfig(vocab_size=256, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          intermediate=2 * d_model, attn=attn)
     graphdef, trainable, frozen = split_trainable(Llama(config, rngs=nnx.Rngs(0)), OptimConfig())
     tx = optax.adamw(1e-3)
     train_step, _ = make_steps(graphdef, tx, jnp.bfloat16)
-    tokens = jax.ShapeDtypeStruct((2, T), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens, "positions": tokens, "segment_ids": tokens,
-             "loss_mask": jax.ShapeDtypeStruct((2, T), jnp.float32)}
+             "loss_mask": jax.ShapeDtypeStruct((2, seq_len), jnp.float32)}
     return train_step, (trainable, jax.eval_shape(tx.init, trainable), frozen, batch)
 
 
@@ -160,13 +160,13 @@ def test_a_model_train_step_with_impl_pallas_compiles_for_the_h200(h200):
 
 
 @needs_cudnn
-@pytest.mark.parametrize("kind,window", [("dense", None), ("focal", None), ("focal", 32)])
-def test_a_model_train_step_with_impl_cudnn_compiles_for_the_h200(h200, kind, window):
-    """cuDNN attention (GQA, segments) in the trainer's bf16 step: jax's cuDNN checks pass and XLA compiles the
-    forward and backward custom calls for sm_90. (cuDNN builds its graphs only on a device, so
-    `tests/test_gpu.py` still has to run on one.)"""
+@pytest.mark.parametrize("kind,window,seq_len", [("dense", None, T), ("focal", None, T - 1), ("focal", 32, T)])
+def test_a_model_train_step_with_impl_cudnn_compiles_for_the_h200(h200, kind, window, seq_len):
+    """cuDNN attention (GQA, segments; an odd length, which jax's cuDNN call refuses to train on, is padded) in the
+    trainer's bf16 step: jax's cuDNN checks pass and XLA compiles the forward and backward custom calls for sm_90.
+    (cuDNN builds its graphs only on a device, so `tests/test_gpu.py` still has to run on one.)"""
     step, args = trainer_step({"kind": kind, "impl": "cudnn", "window": window, "focal_t": 0.4}, d_model=256,
-                              n_heads=4, n_kv_heads=2)
+                              n_heads=4, n_kv_heads=2, seq_len=seq_len)
     compiled = compile_only.compile_for(step, *args, device=h200).as_text()
     targets = re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', compiled)
     assert len([t for t in targets if not t.endswith("Backward")]) == 2, targets  # one per layer

@@ -319,6 +319,24 @@ def test_impl_kind_combinations():
             Attention(AttentionConfig(**SHAPE, impl="cudnn"), rngs=nnx.Rngs(0))(x, positions=positions)
 
 
+@pytest.mark.parametrize("t,window,segmented", [(37, None, True), (37, 5, False), (1, None, False), (36, 5, True)])
+def test_cudnn_path_pads_odd_lengths(t, window, segmented):
+    """impl='cudnn' calls jax.nn.dot_product_attention through `_jax_nn_causal_attention`, which pads an odd length
+    by one token (cuDNN trains only on even ones). Run here with jax.nn's XLA implementation: output and gradients
+    equal focal attention at the odd length."""
+    from focal_jax.attention import focal_attention
+    from focal_jax.nn.attention import _jax_nn_causal_attention
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, t, h, 8)) for i, h in enumerate((4, 2, 2)))
+    segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
+    padded = lambda q, k, v: _jax_nn_causal_attention(q, k, v, 0.4, window, segment_ids, implementation="xla")
+    direct = lambda q, k, v: focal_attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
+    np.testing.assert_allclose(padded(q, k, v), direct(q, k, v), atol=1e-5)
+    loss = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2))(q, k, v)
+    for got, want in zip(loss(padded), loss(direct)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_llama_config_validation():
     with pytest.raises(ValueError, match=r"kind='nope'.*'dense'"):
         focal_config("tiny", attn=dict(kind="nope"))

@@ -450,10 +450,23 @@ def _cudnn_attention(q, k, v, temperature, window, segment_ids):
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"impl='cudnn' needs bfloat16 or float16 activations, got {q.dtype}; use impl='xla' "
                          f"for float32")
+    return _jax_nn_causal_attention(q, k, v, temperature, window, segment_ids, implementation="cudnn")
+
+
+def _jax_nn_causal_attention(q, k, v, temperature, window, segment_ids, implementation):
+    """`jax.nn.dot_product_attention`, causal, with the segment mask and the window, `[B, T, H, D]` -> `[B, T, H,
+    Dv]`. An odd T gets one padding token at the end, which no query sees (it comes after all of them) and whose
+    output is dropped: cuDNN's fused attention trains only on even lengths."""
+    t = q.shape[1]
+    if t % 2:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+        if segment_ids is not None:
+            segment_ids = jnp.concatenate([segment_ids, segment_ids[:, -1:]], axis=1)
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     scale = 1.0 / (q.shape[-1] ** 0.5 * temperature)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
-                                        local_window_size=None if window is None else (window, 0),
-                                        implementation="cudnn")
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
+                                       local_window_size=None if window is None else (window, 0),
+                                       implementation=implementation)
+    return out[:, :t]
