@@ -61,13 +61,13 @@ gpu-check: export PYTHONUNBUFFERED = 1
 gpu-check:
 	if [ -d .whl ]; then $(PYTHON) -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
-	-timeout 150 $(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py 2>&1 | tee $(GPU_LOGS)/tests.log
+	-timeout 180 $(PYTHON) -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py 2>&1 | tee $(GPU_LOGS)/tests.log
 	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 2>&1 | tee $(GPU_LOGS)/kernel_16k.log
 	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 32768 2>&1 | tee $(GPU_LOGS)/kernel_32k.log
-	-timeout 120 $(PYTHON) -m focal_jax.bench train --size 400M --repeats 3 2>&1 | tee $(GPU_LOGS)/train_400m.log
-	-timeout 60 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2 2>&1 \
+	-timeout 110 $(PYTHON) -m focal_jax.bench train --size 400M --repeats 3 2>&1 | tee $(GPU_LOGS)/train_400m.log
+	-timeout 50 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2 2>&1 \
 		| tee $(GPU_LOGS)/launch_16k.log
-	-timeout 40 $(PYTHON) -m focal_jax.bench kernel --lengths 4096 65536 2>&1 | tee $(GPU_LOGS)/kernel_4k_64k.log
+	-timeout 30 $(PYTHON) -m focal_jax.bench kernel --lengths 4096 65536 2>&1 | tee $(GPU_LOGS)/kernel_4k_64k.log
 
 device-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

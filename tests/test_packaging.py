@@ -17,8 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted([*(ROOT / "focal_jax").rglob("*.py"), *(ROOT / "kernels").glob("*.py"),
                   *(ROOT / "configs").glob("*.py")])
 # Modules that are an extra's adapter: their module-level imports may come from that extra.
-EXTRA_MODULES = {"focal_jax/eval/harness.py": "eval"}
-EXTRA_MODULE_NAMES = {"focal_jax.eval.harness": "eval"}
+EXTRA_MODULES = {"focal_jax.eval.harness": "eval"}
 
 
 def _normalized(name: str) -> str:
@@ -51,7 +50,7 @@ def module_level_imports(tree: ast.Module) -> set[str]:
 
 def undeclared(source: str, relative_path: str, distributions: dict[str, list[str]]) -> list[str]:
     """The module-level imports of `source` (the file at `relative_path`) that no declared requirement provides."""
-    extra = EXTRA_MODULES.get(relative_path)
+    extra = EXTRA_MODULES.get(relative_path.removesuffix(".py").replace("/", "."))
     allowed = declared(None) | (declared(extra) if extra else set())
     missing = []
     for name in sorted(module_level_imports(ast.parse(source))):
@@ -98,5 +97,5 @@ def test_every_module_imports():
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as error:
-            assert name in EXTRA_MODULE_NAMES, f"{name}: {error}"
-            assert f"focal_jax[{EXTRA_MODULE_NAMES[name]}]" in str(error), error
+            assert name in EXTRA_MODULES, f"{name}: {error}"
+            assert f"focal_jax[{EXTRA_MODULES[name]}]" in str(error), error
