@@ -302,8 +302,13 @@ def _is_abstract(tree) -> bool:
 def _train_step_seconds(model, optim, batch_size: int, seq_len: int, repeats: int,
                         compute_dtype=jax.numpy.float32) -> float:
     """Median seconds of the trainer's jitted step on random tokens (one packed document per row)."""
-    step, (trainable, opt_state, frozen, batch) = _train_step_and_args(model, optim, batch_size, seq_len,
-                                                                       compute_dtype)
+    return _step_seconds(*_train_step_and_args(model, optim, batch_size, seq_len, compute_dtype), repeats)
+
+
+def _step_seconds(step, step_args, repeats: int) -> float:
+    """Median seconds of `step(*step_args)` (a train step, from `_train_step_and_args`), jitted, after one call that
+    compiles; the step's new parameters and optimizer state feed the next call."""
+    trainable, opt_state, frozen, batch = step_args
     step = jax.jit(step, donate_argnums=(0, 1))
     times = []
     for i in range(repeats + 1):
@@ -382,8 +387,9 @@ def run_train_size(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for name, attn in _train_size_kinds(platform).items():
         _log(f"{args.size} {name} ...")
         config = focal_config(args.size, attn=attn, remat=args.remat)
-        abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-        step, step_args = _train_step_and_args(abstract, OptimConfig(), args.batch, args.seq_len, bf16)
+        build = lambda: Llama(config, rngs=nnx.Rngs(0))
+        model = nnx.eval_shape(build) if args.compile_for_h200 else build()  # shapes only when compiling
+        step, step_args = _train_step_and_args(model, OptimConfig(), args.batch, args.seq_len, bf16)
         with target_platform(platform):  # the platform compiled for, if not this process's
             total, low = matmul_flops(step, *step_args)
         if args.compile_for_h200:
@@ -392,10 +398,10 @@ def run_train_size(args: argparse.Namespace, argv: Sequence[str]) -> int:
             rows.append([args.size, name, f"{memory.temp_size_in_bytes / 2**30:.2f}", f"{state / 2**30:.2f}",
                          f"{total / 1e12:.1f}", f"{100 * low / total:.0f}%"])
             continue
-        model = Llama(config, rngs=nnx.Rngs(0))
         flops = train_flops_per_token(matmul_param_count(model), config.n_layers, args.seq_len, config.d_model)
-        seconds = _train_step_seconds(model, OptimConfig(), args.batch, args.seq_len, args.repeats, bf16)
-        del model
+        del model  # the step's arguments hold the parameters
+        seconds = _step_seconds(step, step_args, args.repeats)
+        del step_args
         tokens_per_s = args.batch * args.seq_len / seconds
         utilisation = mfu(tokens_per_s, flops, 1, peak)
         rows.append([args.size, name, _fmt_ms(seconds), f"{tokens_per_s:,.0f}",

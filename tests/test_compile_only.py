@@ -9,15 +9,14 @@ import re
 
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from flax import nnx
 
+from focal_jax import bench
 from focal_jax.kernels import compile_only
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.nn.llama import Llama, LlamaConfig
-from focal_jax.train.optimizer import OptimConfig, split_trainable
-from focal_jax.train.trainer import make_steps
+from focal_jax.train.optimizer import OptimConfig
 
 needs_cuda = pytest.mark.skipif(not compile_only.has_cuda_plugin(),
                                 reason="needs jaxlib's CUDA plugin: make compile-check runs these in .venv-compile")
@@ -136,16 +135,12 @@ def test_the_tpu_check_sees_a_vmem_overflow():
 
 def trainer_step(attn, *, d_model=128, n_heads=2, n_kv_heads=1, seq_len=T):
     """The trainer's step (`make_steps`: bf16 compute, AdamW) of a small 2-layer LLaMA with attention `attn`, and
-    its arguments as shapes: a packed batch of 2 rows of `seq_len` tokens with segment ids."""
+    its arguments (`bench._train_step_and_args`: the parameters as shapes, a packed batch of 2 rows of `seq_len`
+    tokens with segment ids)."""
     config = LlamaConfig(vocab_size=256, d_model=d_model, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                          intermediate=2 * d_model, attn=attn)
-    graphdef, trainable, frozen = split_trainable(Llama(config, rngs=nnx.Rngs(0)), OptimConfig())
-    tx = optax.adamw(1e-3)
-    train_step, _ = make_steps(graphdef, tx, jnp.bfloat16)
-    tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
-    batch = {"inputs": tokens, "targets": tokens, "positions": tokens, "segment_ids": tokens,
-             "loss_mask": jax.ShapeDtypeStruct((2, seq_len), jnp.float32)}
-    return train_step, (trainable, jax.eval_shape(tx.init, trainable), frozen, batch)
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return bench._train_step_and_args(model, OptimConfig(), 2, seq_len, jnp.bfloat16)
 
 
 HARD_FOCUS = {"kind": "focal+focus", "impl": "pallas", "focus_topk": 1, "focus_groups": 4, "focus_window": 32,
@@ -185,8 +180,6 @@ def test_a_model_train_step_with_impl_pallas_compiles_for_a_tpu():
 
 @needs_cudnn
 def test_bench_train_compiled_for_the_h200_reports_every_kind(capsys):
-    from focal_jax import bench
-
     assert bench.main(["train", "--size", "tiny", "--batch", "2", "--seq-len", "128", "--compile-for-h200"]) == 0
     out = capsys.readouterr().out
     kinds = ("dense", "dense (cudnn)", "focal (t=0.4)", "focal learned", "Focus hard top-1 (K=8, w=128, pallas)")
@@ -197,8 +190,6 @@ def test_bench_train_compiled_for_the_h200_reports_every_kind(capsys):
 @needs_cuda
 @needs_libtpu
 def test_bench_compile_reports_both(capsys):
-    from focal_jax import bench
-
     assert bench.main(["compile", "--seq-len", "256", "--launch", "128:4:2", "--memory-lengths", "256",
                        "--tpus", "v5e:2x2"]) == 0
     out = capsys.readouterr().out

@@ -15,7 +15,7 @@ from flax import nnx
 from focal_jax import attention as fa
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import attend, attention_logits
-from focal_jax.attention.masks import causal_mask, group_mask, local_mask
+from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
 from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
 from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
@@ -462,9 +462,7 @@ def _jax_nn_causal_attention(q, k, v, temperature, window, segment_ids, implemen
         q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
         if segment_ids is not None:
             segment_ids = jnp.concatenate([segment_ids, segment_ids[:, -1:]], axis=1)
-    mask = None
-    if segment_ids is not None:
-        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    mask = None if segment_ids is None else segment_mask(segment_ids, segment_ids)[:, None]
     scale = 1.0 / (q.shape[-1] ** 0.5 * temperature)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True,
                                        local_window_size=None if window is None else (window, 0),
