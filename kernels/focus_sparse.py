@@ -17,7 +17,9 @@ kernel per key block (walking the query blocks that visit it). No `[T, T]` array
 
 Layouts: activations are head-major `[B, H, rows, C]`; the per-token ids come twice, as columns `[B, rows, C]`
 (query side, read as `[block, 1]`) and as rows `[B, C, rows]` (key side, read as `[1, block]`), so every mask is a
-broadcast of a column against a row.
+broadcast of a column against a row. The per-row float32 statistics (log-sum-exp, the backward's delta) are
+`[B, H, rows, 1]`, except on TPUs, whose (8, 128) tiles would pad that last dimension of 1 to 128: there they are
+rows `[B, H, 1, rows]`, turned into columns inside the kernels (`_stat_column`).
 
 Backends (`BACKENDS`): 'triton' (GPU: Pallas's Triton lowering; a program reads the blocks it walks straight from
 global memory), 'mosaic' (TPU: each walked block is copied from HBM into VMEM by DMA, double-buffered so that
@@ -211,12 +213,30 @@ def _empty_carry(rows, dv):
             jnp.zeros((rows, 1), jnp.float32))
 
 
+def _stat_column(stat):
+    """A block of a per-row statistic as the column `[n, 1]` that scores `[n, bk]` broadcast against; on TPUs the
+    block is the row `[1, n]`, transposed as a square `[n, n]` (Mosaic transposes whole tiles)."""
+    if stat.shape[0] != 1:
+        return stat
+    n = stat.shape[1]
+    return jnp.broadcast_to(stat, (n, n)).T[:, :1]
+
+
+def _store_stat(ref, column):
+    """Writes the column `[n, 1]` to a statistic block `ref`: `[n, 1]`, or on TPUs the row `[1, n]`."""
+    if ref.shape[0] != 1:
+        ref[...] = column
+    else:
+        n = column.shape[0]
+        ref[...] = jnp.broadcast_to(column, (n, n)).T[:1, :]
+
+
 def _finish(carry, o_ref, lse_ref):
     acc, m, l = carry
     empty = l == 0.0
     safe = jnp.where(empty, 1.0, l)
     o_ref[...] = jnp.where(empty, 0.0, acc / safe).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(safe))
+    _store_stat(lse_ref, jnp.where(empty, -jnp.inf, m + jnp.log(safe)))
 
 
 def _grad_scores(s, lse, do, v, delta, softcap):
@@ -269,7 +289,7 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
 def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, softcap):
     """Set A: dq of one query entry block of one head (keys as in the forward pass)."""
     i = pl.program_id(2)
-    q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
+    q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
 
     def step(j, blocks, acc):
         k_j, v_j, k_ids_j, k_words_j = blocks
@@ -290,7 +310,7 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
         q_i, do_i, lse_i, delta_i, q_ids_i, q_lower_i = blocks
         q_block, do_block = q_i[...], do_i[...]
         s = _group_scores(q_block, k_block, (q_ids_i, q_lower_i), (k_ids, k_words), info, i, j, softcap)
-        p, ds = _grad_scores(s, lse_i[...], do_block, v_block, delta_i[...], softcap)
+        p, ds = _grad_scores(s, _stat_column(lse_i[...]), do_block, v_block, _stat_column(delta_i[...]), softcap)
         return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
                 carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
 
@@ -302,7 +322,7 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
                     n_tokens, softcap):
     """Set B: dq of one query token block of one head."""
     i = pl.program_id(2)
-    q_block, do_block, lse_block, delta_block = q[...], do[...], lse[...], delta[...]
+    q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
 
     def step(j, blocks, acc):
         k_j, v_j, k_segment_j, k_words_j = blocks
@@ -329,7 +349,7 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
         q_block, do_block = q_i[...], do_i[...]
         s = _band_scores(q_block, k_block, (q_segment_i, q_words_i), (k_segment, k_words), i, j, block, window,
                          sink, n_tokens, softcap)
-        p, ds = _grad_scores(s, lse_i[...], do_block, v_block, delta_i[...], softcap)
+        p, ds = _grad_scores(s, _stat_column(lse_i[...]), do_block, v_block, _stat_column(delta_i[...]), softcap)
         return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
                 carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
 
@@ -343,6 +363,7 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
 
 BACKENDS = ("interpret", "triton", "mosaic", "mosaic_interpret")
 TPU_BACKENDS = ("mosaic", "mosaic_interpret")
+ROW_LAYOUTS = ("row", "head_row")
 
 
 class Settings(NamedTuple):
@@ -354,17 +375,17 @@ class Settings(NamedTuple):
     softcap: float | None
     n_tokens: int
     backend: str     # one of BACKENDS
-    groups: bool = True  # compute set A (False when no token is in a group)
-    band: bool = True    # compute set B (False when every token is in the one group)
-    num_warps: int = 8   # Triton: warps per program
-    num_stages: int = 2  # Triton: software-pipelining stages of the walks
+    num_warps: int   # Triton: warps per program
+    num_stages: int  # Triton: software-pipelining stages of the walks
+    groups: bool     # compute set A (False when no token is in a group)
+    band: bool       # compute set B (False when every token is in the one group)
 
 
 class _Operand(NamedTuple):
     """A kernel input or output and how a program (batch b, head h, block i) sees it."""
     array: Any       # a jax.Array (input) or jax.ShapeDtypeStruct (output)
-    layout: str      # 'head' [B, H or Hk, rows, C]; 'column' [B, rows, C]; 'row' [B, C, rows]; 'table' [B, ...]
-                     # (small integers, read as scalars)
+    layout: str      # 'head' [B, H or Hk, rows, C]; 'head_row' [B, H, C, rows]; 'column' [B, rows, C];
+                     # 'row' [B, C, rows]; 'table' [B, ...] (small integers, read as scalars)
     block: int | None = None  # the program's own block of rows (i); None: walked block by block in the kernel
     heads_per_kv: int = 1     # 'head' with Hk heads: query head h reads head h // heads_per_kv
 
@@ -380,7 +401,7 @@ class _Walked(NamedTuple):
 
     def window(self, j):
         start = pl.multiple_of(j * self.rows, self.rows)
-        if self.layout == "row":
+        if self.layout in ROW_LAYOUTS:
             return slice(None), pl.ds(start, self.rows)
         return pl.ds(start, self.rows), slice(None)
 
@@ -452,6 +473,8 @@ def _spec(operand: _Operand, tpu: bool):
     if operand.layout == "head":
         g = operand.heads_per_kv
         return pl.BlockSpec((None, None, block or shape[2], shape[3]), lambda b, h, i: (b, _div(h, g), row(i), 0))
+    if operand.layout == "head_row":
+        return pl.BlockSpec((None, None, shape[2], block or shape[3]), lambda b, h, i: (b, h, 0, row(i)))
     if operand.layout == "column":
         return pl.BlockSpec((None, block or shape[1], shape[2]), lambda b, h, i: (b, row(i), 0))
     return pl.BlockSpec((None, shape[1], block or shape[2]), lambda b, h, i: (b, 0, row(i)))
@@ -469,7 +492,7 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
     inputs = [op._replace(array=op.array[:, None]) if r else op for op, r in zip(inputs, one_row)]
     scratch = []
     if tpu:
-        blocks = [(op.array.shape[1], walk_rows) if op.layout == "row" else (walk_rows, op.array.shape[-1])
+        blocks = [(op.array.shape[-2], walk_rows) if op.layout in ROW_LAYOUTS else (walk_rows, op.array.shape[-1])
                   for op, w in zip(inputs, walked) if w]
         scratch = ([pltpu.VMEM((2,) + shape, op.array.dtype)
                     for shape, op in zip(blocks, [op for op, w in zip(inputs, walked) if w])]
@@ -488,7 +511,7 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
             elif not tpu:
                 args.append(_Walked(ref, op.layout, walk_rows))
             else:
-                index = (b, _div(h, op.heads_per_kv)) if op.layout == "head" else (b,)
+                index = (b, _div(h, op.heads_per_kv)) if op.layout.startswith("head") else (b,)
                 args.append(_Walked(ref, op.layout, walk_rows, next(buffers), next(semaphores), index))
         body(*args, *out_refs)
 
@@ -556,6 +579,17 @@ def _per_kv_head(x, kv_heads):
     return x.reshape(b, t, kv_heads, h // kv_heads, c).sum(axis=3)
 
 
+def _stat_operand(x, s: Settings, block=None):
+    """A per-row float32 statistic (log-sum-exp, delta) `x [B, H, R]` as a kernel operand: `[B, H, R, 1]`; on TPUs
+    the row `[B, H, 1, R]`, which their tiles do not pad 128 times. `x` may be a `jax.ShapeDtypeStruct` (an
+    output)."""
+    b, h, rows = x.shape
+    tpu = s.backend in TPU_BACKENDS
+    shape = (b, h, 1, rows) if tpu else (b, h, rows, 1)
+    array = jax.ShapeDtypeStruct(shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.reshape(shape)
+    return _Operand(array, "head_row" if tpu else "head", block)
+
+
 def _group_ids(p: Plan):
     """Set A's ids: query side (ids `[B, E, 4]` (token, group, segment, 0), lower `[B, E, W]`) and key side (ids
     `[B, 4, E]`, words `[B, W, E]`)."""
@@ -576,7 +610,7 @@ def _band_rows(x, tp):
 
 
 def _group_forward(q, k, v, p: Plan, s: Settings):
-    """Set A: out `[B, H, E, Dv]`, lse `[B, H, E, 1]` per entry."""
+    """Set A: out `[B, H, E, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
     qa, ka, va = (_head_major(x, p.entry_token) for x in (q, k, v))
@@ -586,9 +620,10 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
               _Operand(qa, "head", s.block), _Operand(ka, "head", heads_per_kv=g), _Operand(va, "head", heads_per_kv=g),
               _Operand(k_ids, "row"), _Operand(k_words, "row")]
     outputs = [_Operand(jax.ShapeDtypeStruct((b, h, e, dv), v.dtype), "head", s.block),
-               _Operand(jax.ShapeDtypeStruct((b, h, e, 1), jnp.float32), "head", s.block)]
+               _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
     kernel = functools.partial(_group_kernel, softcap=s.softcap)
-    return _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
+    out, lse = _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
+    return out, lse.reshape(b, h, e)
 
 
 def _band_kwargs(s: Settings):
@@ -596,7 +631,7 @@ def _band_kwargs(s: Settings):
 
 
 def _band_forward(q, k, v, p: Plan, s: Settings):
-    """Set B: out `[B, H, Tp, Dv]`, lse `[B, H, Tp, 1]` per token."""
+    """Set B: out `[B, H, Tp, Dv]`, lse `[B, H, Tp]` per token."""
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
     qp, kp, vp = (_band_rows(x, tp) for x in (q, k, v))
@@ -605,17 +640,18 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
               _Operand(qp, "head", s.band_block), _Operand(kp, "head", heads_per_kv=g),
               _Operand(vp, "head", heads_per_kv=g), _Operand(k_segment, "row"), _Operand(k_words, "row")]
     outputs = [_Operand(jax.ShapeDtypeStruct((b, h, tp, dv), v.dtype), "head", s.band_block),
-               _Operand(jax.ShapeDtypeStruct((b, h, tp, 1), jnp.float32), "head", s.band_block)]
+               _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
     kernel = functools.partial(_band_kernel, **_band_kwargs(s))
-    return _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
+    out, lse = _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
+    return out, lse.reshape(b, h, tp)
 
 
 def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
-    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E, 1]`) and its set-B
-    result (`[B, H, Tp, Dv]`, `[B, H, Tp, 1]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
+    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E]`) and its set-B
+    result (`[B, H, Tp, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
     def one(entry_token, out_a, lse_a, out_b, lse_b):
-        out_a, lse_a = out_a.transpose(1, 0, 2), lse_a[..., 0].T  # [E, H, Dv], [E, H]
-        out_b, lse_b = out_b.transpose(1, 0, 2)[:t], lse_b[..., 0].T[:t]
+        out_a, lse_a = out_a.transpose(1, 0, 2), lse_a.T  # [E, H, Dv], [E, H]
+        out_b, lse_b = out_b.transpose(1, 0, 2)[:t], lse_b.T[:t]
         m = jnp.maximum(jax.ops.segment_max(lse_a, entry_token, num_segments=t + 1)[:t], lse_b)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         w_a = jnp.exp(lse_a - jnp.concatenate([m, jnp.zeros_like(m[:1])])[entry_token])  # [E, H]
@@ -631,7 +667,7 @@ def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
 def _attention_fwd(q, k, v, p: Plan, s: Settings):
     b, _, h = q.shape[:3]
     dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
-    empty = lambda rows: (jnp.zeros((b, h, rows, dv), v.dtype), jnp.full((b, h, rows, 1), -jnp.inf))
+    empty = lambda rows: (jnp.zeros((b, h, rows, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
     out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
     out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
     out, lse = _merge(s.n_tokens, p.entry_token, out_a, lse_a, out_b, lse_b)
@@ -649,17 +685,18 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     b, t, h, d = q.shape
     hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
     g, token, block = h // hk, p.entry_token, s.block
-    qa, ka, va, doa, lse_a, delta_a = (_head_major(x, token) for x in (q, k, v, do, lse[..., None], delta[..., None]))
+    qa, ka, va, doa = (_head_major(x, token) for x in (q, k, v, do))
+    lse_a, delta_a = (_head_major(x[..., None], token)[..., 0] for x in (lse, delta))  # [B, H, E]
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, e, c), jnp.float32), "head", block)
     query_blocks = [_Operand(x, "column", block) for x in (q_ids, q_lower)] + [
-        _Operand(x, "head", block) for x in (qa, doa, lse_a, delta_a)]
+        _Operand(x, "head", block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
                   [_Operand(p.first_key_block, "table"), info, *query_blocks, _Operand(ka, "head", heads_per_kv=g),
                    _Operand(va, "head", heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
                   [gradient(d)], grid, s, "focus_group_dq", block)
-    walked_queries = [_Operand(x, "head") for x in (qa, doa, lse_a, delta_a)] + [
+    walked_queries = [_Operand(x, "head") for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _Operand(x, "column") for x in (q_ids, q_lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
                     [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
@@ -675,17 +712,18 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     b, t, h, d = q.shape
     hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
     g = h // hk
-    qp, kp, vp, dop, lse_b, delta_b = (_band_rows(x, tp) for x in (q, k, v, do, lse[..., None], delta[..., None]))
+    qp, kp, vp, dop = (_band_rows(x, tp) for x in (q, k, v, do))
+    lse_b, delta_b = (_band_rows(x[..., None], tp)[..., 0] for x in (lse, delta))  # [B, H, Tp]
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     grid = (b, h, tp // block)
     gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, tp, c), jnp.float32), "head", block)
     query_blocks = [_Operand(x, "column", block) for x in (q_segment, q_words)] + [
-        _Operand(x, "head", block) for x in (qp, dop, lse_b, delta_b)]
+        _Operand(x, "head", block) for x in (qp, dop)] + [_stat_operand(x, s, block) for x in (lse_b, delta_b)]
     (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
                   [*query_blocks, _Operand(kp, "head", heads_per_kv=g), _Operand(vp, "head", heads_per_kv=g),
                    _Operand(k_segment, "row"), _Operand(k_words, "row")],
                   [gradient(d)], grid, s, "focus_band_dq", block)
-    walked_queries = [_Operand(x, "head") for x in (qp, dop, lse_b, delta_b)] + [
+    walked_queries = [_Operand(x, "head") for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
         _Operand(x, "column") for x in (q_segment, q_words)]
     dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
                     [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
@@ -758,8 +796,8 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
-    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, *_sets,
-                        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages)
+    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, num_warps or default_warps,
+                        num_stages or default_stages, *_sets)
 
     def kernel(q, k, v, membership, segment_ids):
         p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size, max_groups))(membership, segment_ids)

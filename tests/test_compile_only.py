@@ -120,6 +120,18 @@ def test_focus_kernels_compile_for_tpus(topology):
 
 
 @needs_libtpu
+def test_the_tpu_kernels_need_no_more_memory_than_the_decomposed_path():
+    """Forward + backward at 4K tokens on a v5e: the kernels' temporary memory stays within 1.2x the decomposed
+    path's (113 vs 113 MiB). With their per-row statistics laid out `[B, H, rows, 1]`, which a TPU's (8, 128)
+    tiles pad 128 times, it was 261 MiB (2.3x)."""
+    device = compile_only.tpu_device("v5e:2x2")
+    q, membership = bench._compile_inputs(4096)
+    temp = {name: compile_only.compile_for(fn, q, q, q, membership, device=device).memory_analysis().temp_size_in_bytes
+            for name, fn in (("kernels", bench._fused_grad("mosaic")), ("decomposed", bench._decomposed_grad()))}
+    assert temp["kernels"] <= 1.2 * temp["decomposed"], temp
+
+
+@needs_libtpu
 def test_the_tpu_check_sees_a_vmem_overflow():
     """Blocks of 2048 (whose double-buffered copies outgrow the scoped VMEM) fail to compile, as on a TPU."""
     q = jax.ShapeDtypeStruct((1, 4096, 4, 128), jnp.bfloat16)

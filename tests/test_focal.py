@@ -10,6 +10,7 @@ import pytest
 
 from focal_jax.attention import dot_product_attention, focal_attention, learned_temperature
 from focal_jax.attention import reference
+from focal_jax.attention.focal import einsum_f32
 
 from helpers import assert_close, rand_qkv
 
@@ -199,9 +200,10 @@ def test_bf16_inputs_follow_float32_reference():
     assert_close(got.astype(jnp.float32), outside.astype(jnp.float32), atol=1e-2)
 
 
-def test_bf16_value_product_runs_in_16_bits():
-    """With bf16 inputs both forward products take bf16 operands, and so do the backward's two products with v and
-    the output's cotangent (4 of the 6; dq and dk meet the float32 softmax gradient, as in jax.nn's XLA path)."""
+def test_bf16_products_run_in_16_bits():
+    """With bf16 inputs both forward products take bf16 operands, and so do the backward's four: the two with v and
+    the output's cotangent, and dq and dk, whose float32 softmax gradient is rounded to bf16 first (`einsum_f32`;
+    jax.nn's XLA path runs those two with a float32 operand)."""
     from focal_jax.bench import matmul_flops
 
     q, k, v = (x.astype(jnp.bfloat16) for x in rand_qkv(15, hk=2))
@@ -210,7 +212,31 @@ def test_bf16_value_product_runs_in_16_bits():
     assert low == total > 0
     total, low = matmul_flops(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2)),
                               q, k, v)
-    assert low == pytest.approx(total * 4 / 6)
+    assert low == total > 0
+
+
+def test_einsum_f32_rounds_only_bf16_cotangents():
+    """float32 and float16 inputs: exactly `jnp.einsum` and its gradients. bf16 inputs: a float32 result equal to
+    the float32 product of the same values, and gradients within bf16 rounding of it, in bf16."""
+    a, b = jax.random.normal(jax.random.key(0), (3, 5, 8)), jax.random.normal(jax.random.key(1), (6, 8))
+    cotangent = jax.random.normal(jax.random.key(2), (3, 5, 6))
+    spec = "btd,vd->btv"
+    loss = lambda fn: lambda a, b: jnp.sum(fn(spec, a, b) * cotangent)
+    plain = lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    for dtype in (jnp.float32, jnp.float16):
+        args = (a.astype(dtype), b.astype(dtype))
+        assert jnp.array_equal(einsum_f32(spec, *args), plain(spec, *args))
+        for got, want in zip(jax.grad(loss(einsum_f32), (0, 1))(*args), jax.grad(loss(plain), (0, 1))(*args)):
+            assert jnp.array_equal(got, want)
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    out = einsum_f32(spec, a16, b16)
+    assert out.dtype == jnp.float32
+    assert_close(out, plain(spec, a16.astype(jnp.float32), b16.astype(jnp.float32)), atol=1e-5, what="bf16 product")
+    want = jax.grad(loss(plain), (0, 1))(a16.astype(jnp.float32), b16.astype(jnp.float32))
+    for name, got, expected in zip("ab", jax.grad(loss(einsum_f32), (0, 1))(a16, b16), want):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(expected)))
+        assert_close(got.astype(jnp.float32) / scale, expected / scale, atol=1e-2, what=f"d{name}")
 
 
 @pytest.mark.parametrize("segmented", [False, True])

@@ -194,6 +194,37 @@ def test_lowers_without_a_device(platform, backend, dtype, head_dim):
         assert custom_call in text.lower()
 
 
+def pallas_operands(jaxpr):
+    """Shapes and dtypes of every operand and result of the `pallas_call`s in `jaxpr` and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found += [(tuple(x.aval.shape), x.aval.dtype) for x in eqn.invars + eqn.outvars]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += pallas_operands(sub)
+    return found
+
+
+@pytest.mark.parametrize("backend", ["mosaic", "interpret"])
+def test_per_row_statistics_are_rows_on_tpus(backend):
+    """The forward's log-sum-exp and the backward's delta, float32 per row, reach and leave the TPU kernels as rows
+    `[B, H, 1, rows]`: as columns `[B, H, rows, 1]` a TPU's (8, 128) tiles pad them 128 times (the kernels then
+    needed 2.3x the decomposed path's memory, `test_compile_only`). The GPU form keeps columns."""
+    q, k, v = rand_qkv(15, 1, 256, 2, 2, 16)
+    membership = random_membership(16, 1, 256, 4, 1)
+    loss = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=8,
+                                                          block_size=128, backend=backend))
+    operands = pallas_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    statistics = [shape for shape, dtype in operands if dtype == jnp.float32 and len(shape) == 4
+                  and 1 in shape[2:]]
+    columns = [shape for shape in statistics if shape[3] == 1]
+    assert len(statistics) == 2 + 4 * 2  # lse out of the 2 forward kernels; lse and delta into the 4 backward ones
+    assert (columns == []) if backend == "mosaic" else (columns == statistics), statistics
+
+
 def test_target_platform_sets_the_default_backend():
     here = ks.default_backend()  # 'interpret' on CPU
     assert here == {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")

@@ -29,7 +29,7 @@ from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
 from focal_jax.train.sharding import make_mesh, partition_spec
-from focal_jax.train.trainer import cast_floats, init_model, load_model
+from focal_jax.train.trainer import cast_floats, init_model, load_model, masked_nll
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden_trainable.json")
@@ -208,6 +208,44 @@ def test_compute_dtype_reaches_every_layer(family):
         logits = bf16(jnp.zeros((1, 8), jnp.int32))
     assert len(records) == 2 and logits.dtype == jnp.float32
     assert {records[i][name].dtype for i in range(2) for name in ("x", "q", "k", "v")} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_masked_nll_matches_optax():
+    """The loss and its gradient against optax's cross-entropy (an outside implementation), with masked positions;
+    bf16 logits are taken in float32."""
+    import optax
+
+    logits = 4 * jax.random.normal(jax.random.key(0), (2, 7, 50))
+    targets = jax.random.randint(jax.random.key(1), (2, 7), 0, 50)
+    loss_mask = (jnp.arange(7) < jnp.array([[7], [4]])).astype(jnp.float32)
+    want = lambda logits: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * loss_mask)
+    total, count = masked_nll(logits, targets, loss_mask)
+    assert count == 11 and np.isclose(total, want(logits), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: masked_nll(x, targets, loss_mask)[0])(logits),
+                               jax.grad(want)(logits), atol=1e-6)
+    total16, _ = masked_nll(logits.astype(jnp.bfloat16), targets, loss_mask)
+    assert total16.dtype == jnp.float32
+    assert np.isclose(total16, want(logits.astype(jnp.bfloat16).astype(jnp.float32)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bf16_gradient_runs_every_product_in_16_bits(family):
+    """The gradient through a bf16 forward pass (parameters cast as `make_steps` does with compute_dtype) has
+    16-bit operands in every matrix product, the backward products of the float32 LM-head and attention logits
+    included (`einsum_f32` rounds their float32 cotangents to bf16; autodiff alone ran them with a float32
+    operand)."""
+    from focal_jax.bench import matmul_flops
+
+    model = (Llama(focal_config("tiny"), rngs=nnx.Rngs(0)) if family == "llama" else
+             GPT2(GPT2Config(vocab_size=64, n_positions=16, d_model=32, n_layers=2, n_heads=2), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, cast_floats(params, jnp.bfloat16))(jnp.zeros((1, 8), jnp.int32))
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+    total, low = matmul_flops(jax.grad(loss), nnx.to_pure_dict(state))
+    assert low == total > 0
 
 
 def run_cli(args, env=None, **kwargs):

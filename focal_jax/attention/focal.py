@@ -4,6 +4,8 @@ Conventions (DESIGN.md): q, k, v are `[batch, seq, heads, head_dim]`; kv heads d
 `scale` defaults to `1/sqrt(head_dim)`; key j is local to query i iff `0 <= i - j <= window`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +20,46 @@ def _repeat_kv_heads(x, n_q_heads):
     return jnp.repeat(x, n_q_heads // x.shape[2], axis=2)
 
 
+def einsum_f32(spec, a, b):
+    """`jnp.einsum(spec, a, b)` with a float32 result, for products whose result feeds float32 math (attention
+    logits, LM-head logits).
+
+    With bf16 `a` and `b` the product runs in bf16 with float32 accumulation, and so do the two products of its
+    backward pass: the float32 cotangent is rounded to bf16 first (as flash attention rounds dS), where autodiff
+    would run them with a float32 operand, off the matmul units' 16-bit rate. Other dtypes: a plain float32
+    einsum (float16 included: its narrow exponent range would flush the small cotangents of a mean loss to zero).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> einsum_f32("td,vd->tv", jnp.ones((2, 4), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)).dtype
+      dtype('float32')
+    """
+    if a.dtype == b.dtype == jnp.bfloat16:
+        return _einsum_bf16(spec, a, b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_bf16(spec, a, b):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_bf16_fwd(spec, a, b):
+    return _einsum_bf16(spec, a, b), (a, b)
+
+
+def _einsum_bf16_bwd(spec, residuals, cotangent):
+    a, b = residuals
+    cotangent = cotangent.astype(a.dtype)
+    product = lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=a.dtype)
+    (da,) = jax.linear_transpose(lambda a: product(a, b), a)(cotangent)
+    (db,) = jax.linear_transpose(lambda b: product(a, b), b)(cotangent)
+    return da, db
+
+
+_einsum_bf16.defvjp(_einsum_bf16_fwd, _einsum_bf16_bwd)
+
+
 def attention_logits(q, k, multiplier, softcap=None):
     """Logits `q.k * multiplier` in float32, shaped `[B, H, T, S]`, then `softcap * tanh(logits / softcap)` if
     `softcap` is set (Gemma-2 style logit capping; after the temperature).
@@ -28,7 +70,7 @@ def attention_logits(q, k, multiplier, softcap=None):
     """
     if jnp.ndim(multiplier) > 0:
         q = (q.astype(jnp.float32) * multiplier[..., None]).astype(q.dtype)
-    logits = jnp.einsum("bthd,bshd->bhts", q, _repeat_kv_heads(k, q.shape[2]), preferred_element_type=jnp.float32)
+    logits = einsum_f32("bthd,bshd->bhts", q, _repeat_kv_heads(k, q.shape[2]))
     if jnp.ndim(multiplier) == 0:
         logits = logits * multiplier
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)

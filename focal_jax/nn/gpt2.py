@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax.attention.focal import einsum_f32
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import apply_block, embed, rows_at
 
@@ -211,8 +212,7 @@ class GPT2(nnx.Module):
                 x, layer_cache = block(x, positions=positions, cache=cache["layers"][i], cache_index=cache["index"])
                 layer_caches.append(layer_cache)
         x = self.ln_f(rows_at(x, logits_at))
-        logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(x.dtype),
-                            preferred_element_type=jnp.float32)  # in the compute dtype, float32 logits
+        logits = einsum_f32("...d,vd->...v", x, self.wte.embedding[...].astype(x.dtype))  # float32 logits
         if cache is None:
             return logits
         return logits, {"index": cache["index"] + t, "layers": tuple(layer_caches)}

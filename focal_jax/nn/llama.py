@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax.attention.focal import einsum_f32
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, rows_at
 
@@ -161,7 +162,7 @@ class Llama(nnx.Module):
                 layer_caches.append(layer_cache)
         x = self.norm(rows_at(x, logits_at))
         w = self.embed_tokens.embedding[...].T if self.config.tie_embeddings else self.lm_head.kernel[...]
-        logits = jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)  # in the compute dtype
+        logits = einsum_f32("...d,dv->...v", x, w.astype(x.dtype))  # in the compute dtype, float32 logits
         if cache is None:
             return logits
         return logits, {"index": index + tokens.shape[1], "layers": tuple(layer_caches)}
