@@ -357,12 +357,28 @@ def test_sink_keys_are_visible_to_every_query():
 
 
 def test_decomposed_bf16_follows_float32_reference():
+    """bf16 inputs: output and gradients within bf16 rounding of the float32 reference, and every product of the
+    forward and backward pass in bf16 (float32 accumulation); it computed all in float32 before 0.6.2."""
+    from focal_jax.bench import matmul_flops
+
     q, k, v, mem, kw, block = build_case("k2_T130_K5_block32")
     want = naive(q, k, v, mem, **kw)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = sparse(*bf16, mem, impl="decomposed", block_size=block, **kw)
+    decomposed = lambda q, k, v: sparse(q, k, v, mem, impl="decomposed", block_size=block, **kw)
+    got = decomposed(*bf16)
     assert got.dtype == jnp.bfloat16
     assert_close(got, want, atol=2e-2, what="bf16 decomposed")
+    cotangent = jax.random.normal(jax.random.key(5), want.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cotangent)
+    grads = jax.grad(loss(decomposed), argnums=(0, 1, 2))(*bf16)
+    expected = jax.grad(loss(lambda q, k, v: naive(q, k, v, mem, **kw)), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in bf16))
+    for name, g, e in zip("qkv", grads, expected):
+        assert g.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(e)))
+        assert_close(g.astype(jnp.float32) / scale, e / scale, atol=3e-2, what=f"bf16 decomposed d{name}")
+    total, low = matmul_flops(jax.grad(loss(decomposed), argnums=(0, 1, 2)), *bf16)
+    assert low == total > 0
 
 
 def test_softcap_caps_the_logits():

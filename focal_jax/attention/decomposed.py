@@ -10,7 +10,9 @@ The allowed pairs of `focus_mask` (j <= i, same segment, and local or sharing a 
 
 Both are computed blockwise with an online softmax and merged per query token by log-sum-exp, so memory grows as
 O(T * block) (plus O(T * K) integers for the sort) and the result equals the dense masked reference. Gradients come
-from a hand-written flash-style backward pass (`jax.custom_vjp`) that recomputes the blocks.
+from a hand-written flash-style backward pass (`jax.custom_vjp`) that recomputes the blocks. Products run in the
+inputs' dtype with float32 accumulation (bf16 inputs: probabilities and dS rounded to bf16 for their products, as
+in flash attention); the softmax statistics, accumulators and gradient sums are float32.
 
 Internally each token array gets one extra dummy row (index T): padding entries point at it, so gathers never go
 out of bounds and whatever is scattered to it is dropped.
@@ -152,9 +154,15 @@ class Settings(NamedTuple):
     block: int
 
 
+def _product(spec, a, b):
+    """`einsum(spec, a, b)` in b's dtype (a is cast to it: probabilities, dS) with a float32 result."""
+    return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
+
+
 def _raw_scores(q_block, k_block):
-    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> `q.k` `[bq, Hk, G, bk]` (q already carries the scale)."""
-    return jnp.einsum("qhgd,khd->qhgk", q_block, k_block)
+    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> `q.k` `[bq, Hk, G, bk]` float32 (q already carries the
+    scale)."""
+    return _product("qhgd,khd->qhgk", q_block, k_block)
 
 
 def _scores(raw, mask, softcap):
@@ -179,7 +187,7 @@ def _online_update(state, s, v_block):
     p = jnp.exp(s - _finite(m_new)[..., None])
     alpha = jnp.exp(m - _finite(m_new))
     l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum("qhgk,khd->qhgd", p, v_block)
+    acc = alpha[..., None] * acc + _product("qhgk,khd->qhgd", p, v_block)
     return m_new, l, acc
 
 
@@ -204,8 +212,8 @@ def _merge_into_tokens(totals, tokens, state):
 
 
 def _forward(q, k, v, routing, settings):
-    """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` -> out `[T, Hk, G, Dv]`, lse
-    `[T, Hk, G]`, all float32."""
+    """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` (one dtype) -> out `[T, Hk, G, Dv]`, lse
+    `[T, Hk, G]`, float32."""
     window, sink, block = settings.window, settings.sink, settings.block
     t, hk, g, _ = q.shape
     dv = v.shape[-1]
@@ -247,7 +255,7 @@ def _forward(q, k, v, routing, settings):
 
 class QueryBlock(NamedTuple):
     """What the backward pass needs of a block of queries, gathered once: q, dO `[bq, Hk, G, D|Dv]`, and the
-    saved log-sum-exp and rowsum(dO * O) `[bq, Hk, G]`."""
+    saved log-sum-exp and rowsum(dO * O) `[bq, Hk, G]` (float32); dO in v's dtype."""
     q: jax.Array
     d_out: jax.Array
     lse: jax.Array
@@ -258,13 +266,13 @@ def _tile_grads(query, k_block, v_block, mask, softcap):
     """Gradient contributions of one tile: dq `[bq,Hk,G,D]`, dk `[bk,Hk,D]`, dv `[bk,Hk,Dv]`."""
     raw = _raw_scores(query.q, k_block)
     p = jnp.exp(_scores(raw, mask, softcap) - query.lse[..., None])
-    dp = jnp.einsum("qhgd,khd->qhgk", query.d_out, v_block)
+    dp = _product("qhgd,khd->qhgk", query.d_out, v_block)
     ds = p * (dp - query.delta[..., None])
     if softcap is not None:
         ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
-    dq = jnp.einsum("qhgk,khd->qhgd", ds, k_block)
-    dk = jnp.einsum("qhgk,qhgd->khd", ds, query.q)
-    dv = jnp.einsum("qhgk,qhgd->khd", p, query.d_out)
+    dq = _product("qhgk,khd->qhgd", ds, k_block)
+    dk = _product("qhgk,qhgd->khd", ds, query.q)
+    dv = _product("qhgk,qhgd->khd", p, query.d_out)
     return dq, dk, dv
 
 
@@ -273,7 +281,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
     t = q.shape[0]
     delta = jnp.sum(d_out * out, axis=-1)
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
-    lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out), _with_dummy_row(delta)
+    lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out.astype(v.dtype)), _with_dummy_row(delta)
 
     def gather_queries(tokens):
         return QueryBlock(q[tokens], d_out[tokens], lse[tokens], delta[tokens])
@@ -286,10 +294,10 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
         dq, dk, dv = grads
         tile = _band_tile(routing, block_index, t, window, sink, block)
         query = gather_queries(tile.query_token)
-        dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, jnp.zeros_like(query.q), dk, dv)
+        dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, _zeros(query.q), dk, dv)
         return dq.at[tile.query_token].add(dq_block), dk, dv
 
-    grads = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
+    grads = (_zeros(q), _zeros(k), _zeros(v))
     grads = jax.lax.fori_loop(0, -(-t // block), band_block, grads)
 
     def group_block(query_block, grads):
@@ -304,11 +312,15 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
 
         first = _first_key_block(routing, query_block, block)
         _, dq_block, dk, dv = jax.lax.while_loop(
-            lambda c: c[0] <= query_block, key_step, (first, jnp.zeros_like(query.q), dk, dv))
+            lambda c: c[0] <= query_block, key_step, (first, _zeros(query.q), dk, dv))
         return dq.at[tokens].add(dq_block), dk, dv
 
     dq, dk, dv = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, grads)
-    return dq[:t], dk[:t], dv[:t]
+    return dq[:t], dk[:t], dv[:t]  # float32
+
+
+def _zeros(x):
+    return jnp.zeros(x.shape, jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -325,7 +337,7 @@ def _sequence_attention_bwd(settings, residuals, d_out):
     q, k, v, routing, out, lse = residuals
     dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, settings)
     zero_routing = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), routing)
-    return dq, dk, dv, zero_routing
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_routing
 
 
 _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
@@ -345,14 +357,15 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       max_groups: at most this many groups per token (entry arrays of `max_groups * T` rows); None: K.
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype.
+      `[B, T, H, Dv]` in v's dtype. Products run in the inputs' dtype (q, k and v share one) with float32
+      accumulation; the softmax in float32.
     """
     b, t, h, d = q.shape
     hk = k.shape[2]
     multiplier = jnp.asarray(multiplier, jnp.float32)
     if multiplier.ndim:
         multiplier = multiplier[..., None]
-    scaled_q = (q.astype(jnp.float32) * multiplier).reshape(b, t, hk, h // hk, d)
+    scaled_q = (q.astype(jnp.float32) * multiplier).astype(q.dtype).reshape(b, t, hk, h // hk, d)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size, max_groups))(membership, segment_ids)
@@ -360,5 +373,5 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     def one_sequence(args):
         return _sequence_attention(*args, Settings(window, sink, softcap, block_size))
 
-    out = jax.lax.map(one_sequence, (scaled_q, k.astype(jnp.float32), v.astype(jnp.float32), routing))
+    out = jax.lax.map(one_sequence, (scaled_q, k, v, routing))
     return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)

@@ -104,7 +104,8 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       softcap: None, or `softcap * tanh(logits / softcap)` before the gate (FOCUS_SPEC OQ-13).
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype.
+      `[B, T, H, Dv]` in v's dtype. Every impl multiplies in the inputs' dtype (bf16: the probabilities and dS
+      rounded to bf16 for their products, as in flash attention) with float32 accumulation and a float32 softmax.
 
     Example:
       >>> import jax, jax.numpy as jnp
