@@ -320,31 +320,35 @@ def _step_seconds(step, step_args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def traced_equations(jaxpr, times: int = 1):
+    """Every equation of `jaxpr` and of the jaxprs nested in it (calls, loops, custom VJPs), with how many times it
+    runs as traced: a scan's body `length` times, a while loop's body once. A `pallas_call` is yielded, its kernel
+    body is not entered (its products are not XLA's)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, times
+        if eqn.primitive.name == "pallas_call":
+            continue
+        repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from traced_equations(sub, repeat)
+
+
 def matmul_flops(fn, *args) -> tuple[float, float]:
     """`(all, 16-bit)`: FLOPs of the matrix products in `fn(*args)` as traced (its jaxpr, through nested calls and
     scans), and of those whose two operands are 16-bit (bf16 / fp16: the matmul units' full rate on a GPU or TPU).
     The products inside Pallas kernels are not counted; a while loop's body counts once."""
-    def walk(jaxpr, times):
-        total = low = 0.0
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                continue
-            if eqn.primitive.name == "dot_general":
-                lhs, rhs = (v.aval for v in eqn.invars)
-                (contracting, _), _ = eqn.params["dimension_numbers"]
-                flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
-                total += times * flops
-                low += times * flops if lhs.dtype.itemsize == 2 and rhs.dtype.itemsize == 2 else 0.0
-            repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                    if hasattr(sub, "eqns"):
-                        t, l = walk(sub, repeat)
-                        total, low = total + t, low + l
-        return total, low
-
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+    total = low = 0.0
+    for eqn, times in traced_equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "dot_general":
+            lhs, rhs = (v.aval for v in eqn.invars)
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            flops = times * 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+            total += flops
+            low += flops if lhs.dtype.itemsize == 2 and rhs.dtype.itemsize == 2 else 0.0
+    return total, low
 
 
 def _train_size_kinds(platform: str) -> dict[str, dict]:

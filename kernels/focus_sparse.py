@@ -213,22 +213,23 @@ def _empty_carry(rows, dv):
             jnp.zeros((rows, 1), jnp.float32))
 
 
+def _transposed(vector):
+    """A row `[1, n]` as the column `[n, 1]`, or a column as the row, through the transpose of its `[n, n]`
+    broadcast (Mosaic transposes whole tiles)."""
+    rows, columns = vector.shape
+    n = max(rows, columns)
+    return jnp.broadcast_to(vector, (n, n)).T[:columns, :rows]
+
+
 def _stat_column(stat):
     """A block of a per-row statistic as the column `[n, 1]` that scores `[n, bk]` broadcast against; on TPUs the
-    block is the row `[1, n]`, transposed as a square `[n, n]` (Mosaic transposes whole tiles)."""
-    if stat.shape[0] != 1:
-        return stat
-    n = stat.shape[1]
-    return jnp.broadcast_to(stat, (n, n)).T[:, :1]
+    block is the row `[1, n]`."""
+    return _transposed(stat) if stat.shape[0] == 1 else stat
 
 
 def _store_stat(ref, column):
     """Writes the column `[n, 1]` to a statistic block `ref`: `[n, 1]`, or on TPUs the row `[1, n]`."""
-    if ref.shape[0] != 1:
-        ref[...] = column
-    else:
-        n = column.shape[0]
-        ref[...] = jnp.broadcast_to(column, (n, n)).T[:1, :]
+    ref[...] = _transposed(column) if ref.shape[0] == 1 else column
 
 
 def _finish(carry, o_ref, lse_ref):

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from focal_jax.attention import focus_sparse_attention, reference, topk_membership
+from focal_jax.bench import traced_equations
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.nn.attention import Attention, AttentionConfig
 from helpers import assert_close, lowering_target, rand_qkv
@@ -196,16 +197,8 @@ def test_lowers_without_a_device(platform, backend, dtype, head_dim):
 
 def pallas_operands(jaxpr):
     """Shapes and dtypes of every operand and result of the `pallas_call`s in `jaxpr` and its sub-jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found += [(tuple(x.aval.shape), x.aval.dtype) for x in eqn.invars + eqn.outvars]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += pallas_operands(sub)
-    return found
+    return [(tuple(x.aval.shape), x.aval.dtype) for eqn, _ in traced_equations(jaxpr)
+            if eqn.primitive.name == "pallas_call" for x in eqn.invars + eqn.outvars]
 
 
 @pytest.mark.parametrize("backend", ["mosaic", "interpret"])

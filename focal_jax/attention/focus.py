@@ -104,8 +104,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       softcap: None, or `softcap * tanh(logits / softcap)` before the gate (FOCUS_SPEC OQ-13).
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype. Every impl multiplies in the inputs' dtype (bf16: the probabilities and dS
-      rounded to bf16 for their products, as in flash attention) with float32 accumulation and a float32 softmax.
+      `[B, T, H, Dv]` in v's dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -208,7 +207,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
         under `jax.jit` (every impl) the output of that token's sequence is NaN.
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype.
+      `[B, T, H, Dv]` in v's dtype. Every impl multiplies in the inputs' dtype (bf16: the probabilities and dS
+      rounded to bf16 for their products, as in flash attention) with float32 accumulation and a float32 softmax.
 
     Example:
       >>> import jax, jax.numpy as jnp
