@@ -13,7 +13,10 @@ Each kernel program owns one block of one head and walks the blocks it pairs wit
 forward pass; the two sets are merged per token by log-sum-exp. A key block whose pairs are all allowed (*full*:
 one group, one segment, strictly earlier, no multi-group query) skips the element mask. The backward pass
 (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel per query block and a dk / dv
-kernel per key block (walking the query blocks that visit it). No `[T, T]` array exists anywhere.
+kernel per key block (walking the query blocks that visit it), each accumulating in float32 and writing its block
+in the inputs' dtype; a token's parts (its entries, gathered by `Plan.token_entries`, set B, the query heads that
+share a kv head) are summed in float32. No `[T, T]` array exists anywhere, and no activation or gradient is
+scattered.
 
 Layouts: activations are head-major `[B, H, rows, C]`; the per-token ids come twice, as columns `[B, rows, C]`
 (query side, read as `[block, 1]`) and as rows `[B, C, rows]` (key side, read as `[1, block]`), so every mask is a
@@ -40,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
-from focal_jax.attention.decomposed import _groups_below, _routing, _with_dummy_row
+from focal_jax.attention.decomposed import _groups_below, _routing
 from focal_jax.kernels.partition import per_shard
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
@@ -65,6 +68,7 @@ class Plan(NamedTuple):
                              # all real, all single-group tokens (4 rows: Triton wants power-of-two shapes)
     token_segment: jax.Array  # [Tp] segment per token; -1 for padding
     token_words: jax.Array   # [Tp, W]
+    token_entries: jax.Array  # [T, S] entries of each token (S = entry slots per token), in group order; E for none
 
 
 def plan(membership, segment_ids, block: int, band_block: int, max_groups: int | None = None) -> Plan:
@@ -93,6 +97,10 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
     first = jnp.where(blocks(real)[:, 0], first, block_index + 1).astype(jnp.int32)  # padding blocks visit nothing
     last = jnp.searchsorted(first, block_index, side="right") - 1  # `first` is non-decreasing
     tp = -(-t // band_block) * band_block
+    slots = k if max_groups is None else min(max_groups, k)  # entries per token, as in `_routing`
+    rank = jnp.sum(jax.lax.population_count(words & below), axis=-1)  # of the entry among its token's entries
+    token_entries = jnp.full((t, slots), e, jnp.int32).at[token, rank].set(jnp.arange(e, dtype=jnp.int32),
+                                                                           mode="drop")  # padding: token t
     return Plan(
         entry_token=token, entry_group=group, entry_segment=segment, entry_words=words,
         entry_lower=words & below, first_key_block=first, last_query_block=last.astype(jnp.int32),
@@ -100,6 +108,7 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
                               jnp.zeros(n_blocks, jnp.int32)]),
         token_segment=jnp.pad(segment_ids.astype(jnp.int32), (0, tp - t), constant_values=-1),
         token_words=jnp.pad(routing.words[:t], ((0, tp - t), (0, 0))),
+        token_entries=token_entries,
     )
 
 
@@ -299,7 +308,7 @@ def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids
         _, ds = _grad_scores(s, lse_block, do_block, v_j[...], delta_block, softcap)
         return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
 
-    dq[...] = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words))
+    dq[...] = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words)).astype(dq.dtype)
 
 
 def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids, q_lower, dk, dv, *, softcap):
@@ -316,7 +325,8 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
                 carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
 
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk[...], dv[...] = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower))
+    dk_block, dv_block = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower))
+    dk[...], dv[...] = dk_block.astype(dk.dtype), dv_block.astype(dv.dtype)
 
 
 def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
@@ -336,7 +346,7 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
     acc = _walk(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32), walked)
-    dq[...] = _walk(band_start, band_end + 1, step, acc, walked)
+    dq[...] = _walk(band_start, band_end + 1, step, acc, walked).astype(dq.dtype)
 
 
 def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
@@ -356,7 +366,8 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
 
     first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk[...], dv[...] = _walk(first, last + 1, step, zeros, (q, do, lse, delta, q_segment, q_words))
+    dk_block, dv_block = _walk(first, last + 1, step, zeros, (q, do, lse, delta, q_segment, q_words))
+    dk[...], dv[...] = dk_block.astype(dk.dtype), dv_block.astype(dv.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ calling them
@@ -563,15 +574,20 @@ def default_backend() -> str:
     return {"gpu": "triton", "tpu": "mosaic"}.get(platform(), "interpret")
 
 
+def _rows(x, index, fill=0):
+    """`x [B, R, ...]` at rows `index [B, ...]`; an index past the last row reads `fill`."""
+    return jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode="fill", fill_value=fill))(x, index)
+
+
 def _head_major(x, index):
     """`x [B, T, H, C]` at rows `index [B, R]` (index T reads a zero row) -> `[B, H, R, C]`."""
-    return jax.vmap(lambda x, i: _with_dummy_row(x)[i])(x, index).transpose(0, 2, 1, 3)
+    return _rows(x, index).transpose(0, 2, 1, 3)
 
 
-def _token_major(x, index, t):
-    """Sum of `x [B, H, R, C]` into `[B, t, H, C]` by row `index [B, R]` (index t is dropped)."""
-    x = x.transpose(0, 2, 1, 3)
-    return jax.vmap(lambda x, i: jax.ops.segment_sum(x, i, num_segments=t + 1)[:t])(x, index)
+def _token_major(x, token_entries):
+    """Per token, the float32 sum of its entries' rows of `x [B, H, E, C]` -> `[B, T, H, C]` (`token_entries
+    [B, T, S]`, E for none). A gather: a scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`."""
+    return _rows(x.transpose(0, 2, 1, 3), token_entries).astype(jnp.float32).sum(axis=2)
 
 
 def _per_kv_head(x, kv_heads):
@@ -647,22 +663,21 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     return out, lse.reshape(b, h, tp)
 
 
-def _merge(t, entry_token, out_a, lse_a, out_b, lse_b):
-    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E]`) and its set-B
-    result (`[B, H, Tp, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
-    def one(entry_token, out_a, lse_a, out_b, lse_b):
-        out_a, lse_a = out_a.transpose(1, 0, 2), lse_a.T  # [E, H, Dv], [E, H]
-        out_b, lse_b = out_b.transpose(1, 0, 2)[:t], lse_b.T[:t]
-        m = jnp.maximum(jax.ops.segment_max(lse_a, entry_token, num_segments=t + 1)[:t], lse_b)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w_a = jnp.exp(lse_a - jnp.concatenate([m, jnp.zeros_like(m[:1])])[entry_token])  # [E, H]
-        w_b = jnp.exp(lse_b - m)
-        num = jax.ops.segment_sum(w_a[..., None] * out_a.astype(jnp.float32), entry_token, num_segments=t + 1)[:t]
-        num = num + w_b[..., None] * out_b.astype(jnp.float32)
-        den = jax.ops.segment_sum(w_a, entry_token, num_segments=t + 1)[:t] + w_b
-        safe = jnp.where(den > 0, den, 1.0)
-        return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
-    return jax.vmap(one)(entry_token, out_a, lse_a, out_b, lse_b)
+def _merge(token_entries, out_a, lse_a, out_b, lse_b):
+    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E]`; `token_entries
+    [B, T, S]`) and its set-B result (`[B, H, Tp, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse
+    `[B, T, H]`."""
+    t = token_entries.shape[1]
+    lse_a = _rows(lse_a.transpose(0, 2, 1), token_entries, -jnp.inf)  # [B, T, S, H]
+    out_a = _rows(out_a.transpose(0, 2, 1, 3), token_entries).astype(jnp.float32)  # [B, T, S, H, Dv]
+    lse_b, out_b = lse_b.transpose(0, 2, 1)[:, :t], out_b.transpose(0, 2, 1, 3)[:, :t].astype(jnp.float32)
+    m = jnp.maximum(jnp.max(lse_a, axis=2), lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_a, w_b = jnp.exp(lse_a - m[:, :, None]), jnp.exp(lse_b - m)
+    num = jnp.sum(w_a[..., None] * out_a, axis=2) + w_b[..., None] * out_b
+    den = jnp.sum(w_a, axis=2) + w_b
+    safe = jnp.where(den > 0, den, 1.0)
+    return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 
 
 def _attention_fwd(q, k, v, p: Plan, s: Settings):
@@ -671,7 +686,7 @@ def _attention_fwd(q, k, v, p: Plan, s: Settings):
     empty = lambda rows: (jnp.zeros((b, h, rows, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
     out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
     out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
-    out, lse = _merge(s.n_tokens, p.entry_token, out_a, lse_a, out_b, lse_b)
+    out, lse = _merge(p.token_entries, out_a, lse_a, out_b, lse_b)
     out = out.astype(v.dtype)
     return out, (q, k, v, p, out, lse)
 
@@ -683,29 +698,29 @@ def _attention(q, k, v, p: Plan, settings: Settings):
 
 def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     """Set A's dq, dk, dv in token space (float32)."""
-    b, t, h, d = q.shape
+    b, _, h, d = q.shape
     hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
     g, token, block = h // hk, p.entry_token, s.block
     qa, ka, va, doa = (_head_major(x, token) for x in (q, k, v, do))
     lse_a, delta_a = (_head_major(x[..., None], token)[..., 0] for x in (lse, delta))  # [B, H, E]
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
-    gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, e, c), jnp.float32), "head", block)
+    gradient = lambda c, dtype: _Operand(jax.ShapeDtypeStruct((b, h, e, c), dtype), "head", block)
     query_blocks = [_Operand(x, "column", block) for x in (q_ids, q_lower)] + [
         _Operand(x, "head", block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
                   [_Operand(p.first_key_block, "table"), info, *query_blocks, _Operand(ka, "head", heads_per_kv=g),
                    _Operand(va, "head", heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
-                  [gradient(d)], grid, s, "focus_group_dq", block)
+                  [gradient(d, q.dtype)], grid, s, "focus_group_dq", block)
     walked_queries = [_Operand(x, "head") for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _Operand(x, "column") for x in (q_ids, q_lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
                     [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
                      _Operand(k_words, "row", block), _Operand(ka, "head", block, g), _Operand(va, "head", block, g),
                      *walked_queries],
-                    [gradient(d), gradient(dv)], grid, s, "focus_group_dkv", block)
-    return (_token_major(dq, token, t), _per_kv_head(_token_major(dk, token, t), hk),
-            _per_kv_head(_token_major(dvv, token, t), hk))
+                    [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
+    return (_token_major(dq, p.token_entries), _per_kv_head(_token_major(dk, p.token_entries), hk),
+            _per_kv_head(_token_major(dvv, p.token_entries), hk))
 
 
 def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
@@ -717,20 +732,20 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     lse_b, delta_b = (_band_rows(x[..., None], tp)[..., 0] for x in (lse, delta))  # [B, H, Tp]
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     grid = (b, h, tp // block)
-    gradient = lambda c: _Operand(jax.ShapeDtypeStruct((b, h, tp, c), jnp.float32), "head", block)
+    gradient = lambda c, dtype: _Operand(jax.ShapeDtypeStruct((b, h, tp, c), dtype), "head", block)
     query_blocks = [_Operand(x, "column", block) for x in (q_segment, q_words)] + [
         _Operand(x, "head", block) for x in (qp, dop)] + [_stat_operand(x, s, block) for x in (lse_b, delta_b)]
     (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
                   [*query_blocks, _Operand(kp, "head", heads_per_kv=g), _Operand(vp, "head", heads_per_kv=g),
                    _Operand(k_segment, "row"), _Operand(k_words, "row")],
-                  [gradient(d)], grid, s, "focus_band_dq", block)
+                  [gradient(d, q.dtype)], grid, s, "focus_band_dq", block)
     walked_queries = [_Operand(x, "head") for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
         _Operand(x, "column") for x in (q_segment, q_words)]
     dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
                     [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
                      _Operand(kp, "head", block, g), _Operand(vp, "head", block, g), *walked_queries],
-                    [gradient(d), gradient(dv)], grid, s, "focus_band_dkv", block)
-    token_major = lambda x: x.transpose(0, 2, 1, 3)[:, :t]
+                    [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block)
+    token_major = lambda x: x.transpose(0, 2, 1, 3)[:, :t].astype(jnp.float32)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 

@@ -218,6 +218,25 @@ def test_per_row_statistics_are_rows_on_tpus(backend):
     assert (columns == []) if backend == "mosaic" else (columns == statistics), statistics
 
 
+@pytest.mark.parametrize("max_groups", [1, 2])
+def test_no_activation_or_gradient_is_scattered(max_groups):
+    """The forward's merge and the backward's return to token order gather each token's entries
+    (`Plan.token_entries`), and the kernels write bf16 gradients for bf16 inputs: scatter-adds into float32 `[B,
+    T + 1, H, C]` arrays were the largest buffers of the TPU form (at 4K on a v5e the kernels needed 113 MiB, the
+    decomposed path 65; now 33, `test_compile_only`)."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in rand_qkv(17, 1, 256, 2, 1, 16))
+    membership = random_membership(18, 1, 256, 4, max_groups)
+    loss = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=8,
+                                                          max_groups=max_groups).astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    scattered = [(eqn.primitive.name, eqn.outvars[0].aval) for eqn, _ in traced_equations(jaxpr)
+                 if "scatter" in eqn.primitive.name and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)]
+    assert scattered == []
+    backward = [eqn for eqn, _ in traced_equations(jaxpr) if eqn.primitive.name == "pallas_call"][2:]
+    gradients = [x.aval.dtype for eqn in backward for x in eqn.outvars]
+    assert len(gradients) == 6 and set(gradients) == {jnp.dtype(jnp.bfloat16)}, gradients
+
+
 def test_target_platform_sets_the_default_backend():
     here = ks.default_backend()  # 'interpret' on CPU
     assert here == {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(), "interpret")
@@ -279,6 +298,23 @@ def test_plan_covers_every_allowed_pair(groups, k, sink):
     visited = visited_pairs(plan, t, window, sink, block, band_block)
     missing = [(i, j) for i, j in zip(*np.nonzero(allowed)) if (int(i), int(j)) not in visited]
     assert not missing
+
+
+@pytest.mark.parametrize("groups,k,max_groups", [(4, 1, 1), (5, 3, None), (5, 3, 2), (40, 2, 2)])
+def test_plan_token_entries_are_the_entries_of_each_token(groups, k, max_groups):
+    """`token_entries[t]` lists, in group order, the entries whose `entry_token` is t, then E (none); with
+    `max_groups` below k a token keeps its lowest groups. 40 groups: more than T = 21 tokens and one bitmask word."""
+    t, block = 21, 8
+    membership = random_membership(3, 1, t, groups, k)[0]
+    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, 8, max_groups=max_groups)
+    token, group = np.asarray(plan.entry_token), np.asarray(plan.entry_group)
+    entries = np.asarray(plan.token_entries)
+    slots = min(max_groups or groups, groups)
+    assert entries.shape == (t, slots)
+    for i in range(t):
+        kept = np.flatnonzero(np.asarray(membership[i]))[:slots]
+        expected = [int(np.flatnonzero((token == i) & (group == g))[0]) for g in kept]
+        assert list(entries[i]) == expected + [len(token)] * (slots - len(expected)), i
 
 
 @pytest.mark.parametrize("block", [64, 128])  # the GPU default and the TPU one
