@@ -29,6 +29,7 @@ import tempfile
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from focal_jax.kernels.focus_sparse import target_platform
 
@@ -191,3 +192,42 @@ def kernel_resources(fn, *args, device, prefix: str = "focus_") -> list[KernelRe
                     assembled.update(_assembled(os.path.join(dump, file)))
     return [KernelResources(name, grid, threads, shared, *assembled[name])
             for name, (grid, threads, shared) in launches.items()]
+
+
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(.*)$")
+_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+
+
+def _array_bytes(shape_text: str) -> int:
+    """Bytes of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else int(dtype[1:])
+        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * max(bits // 8, 1)
+    return total
+
+
+def xla_traffic(compiled, kernel_prefix: str = "focus_") -> tuple[int, int]:
+    """`(kernels, other)`: bytes read and written by the top-level instructions of a compiled program's entry
+    computation, the custom calls of the Pallas kernels named `kernel_prefix*` apart from XLA's own ops (fusions,
+    copies, sorts, gathers). Operand plus result sizes, each instruction's inputs counted as read once: a
+    bandwidth floor for a memory-bound op, not a measurement; loops count once."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):].split("\n}\n")[0]
+    shapes, kernels, other = {}, 0, 0
+    for line in entry.splitlines()[1:]:
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, shape, opcode, operands, rest = match.groups()
+        shapes[name] = shape
+        if opcode in _NO_TRAFFIC:
+            continue
+        operands = re.sub(r"/\*.*?\*/", "", operands).split(",")  # drops XLA's /*index=5*/ marks
+        moved = _array_bytes(shape) + sum(_array_bytes(shapes.get(x.split()[-1], "")) for x in operands if x.strip())
+        if opcode == "custom-call" and re.search(rf'name="{kernel_prefix}|{kernel_prefix}\w*"', rest):
+            kernels += moved
+        else:
+            other += moved
+    return kernels, other

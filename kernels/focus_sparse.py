@@ -18,7 +18,9 @@ in the inputs' dtype; a token's parts (its entries, gathered by `Plan.token_entr
 share a kv head) are summed in float32. No `[T, T]` array exists anywhere, and no activation or gradient is
 scattered.
 
-Layouts: activations are head-major `[B, H, rows, C]`; the per-token ids come twice, as columns `[B, rows, C]`
+Layouts: activations stay row-major `[B, rows, H, C]` on GPUs (a program's block `[rows, C]` is a strided slice,
+so no transposed copy exists) and are head-major `[B, H, rows, C]` on TPUs, whose blocks must tile or span their
+last two dimensions (`_activation`); the per-token ids come twice, as columns `[B, rows, C]`
 (query side, read as `[block, 1]`) and as rows `[B, C, rows]` (key side, read as `[1, block]`), so every mask is a
 broadcast of a column against a row. The per-row float32 statistics (log-sum-exp, the backward's delta) are
 `[B, H, rows, 1]`, except on TPUs, whose (8, 128) tiles would pad that last dimension of 1 to 128: there they are
@@ -396,10 +398,11 @@ class Settings(NamedTuple):
 class _Operand(NamedTuple):
     """A kernel input or output and how a program (batch b, head h, block i) sees it."""
     array: Any       # a jax.Array (input) or jax.ShapeDtypeStruct (output)
-    layout: str      # 'head' [B, H or Hk, rows, C]; 'head_row' [B, H, C, rows]; 'column' [B, rows, C];
-                     # 'row' [B, C, rows]; 'table' [B, ...] (small integers, read as scalars)
+    layout: str      # 'token' [B, rows, H or Hk, C] (GPU); 'head' [B, H or Hk, rows, C]; 'head_row' [B, H, C,
+                     # rows]; 'column' [B, rows, C]; 'row' [B, C, rows]; 'table' [B, ...] (small integers, read as
+                     # scalars)
     block: int | None = None  # the program's own block of rows (i); None: walked block by block in the kernel
-    heads_per_kv: int = 1     # 'head' with Hk heads: query head h reads head h // heads_per_kv
+    heads_per_kv: int = 1     # 'token' or 'head' with Hk heads: query head h reads head h // heads_per_kv
 
 
 class _Walked(NamedTuple):
@@ -482,8 +485,10 @@ def _spec(operand: _Operand, tpu: bool):
     if tpu and block is None:
         return pl.BlockSpec(memory_space=pl.ANY)
     row = (lambda i: i) if block else (lambda i: 0)
+    g = operand.heads_per_kv
+    if operand.layout == "token":
+        return pl.BlockSpec((None, block or shape[1], None, shape[3]), lambda b, h, i: (b, row(i), _div(h, g), 0))
     if operand.layout == "head":
-        g = operand.heads_per_kv
         return pl.BlockSpec((None, None, block or shape[2], shape[3]), lambda b, h, i: (b, _div(h, g), row(i), 0))
     if operand.layout == "head_row":
         return pl.BlockSpec((None, None, shape[2], block or shape[3]), lambda b, h, i: (b, h, 0, row(i)))
@@ -579,15 +584,27 @@ def _rows(x, index, fill=0):
     return jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode="fill", fill_value=fill))(x, index)
 
 
-def _head_major(x, index):
-    """`x [B, T, H, C]` at rows `index [B, R]` (index T reads a zero row) -> `[B, H, R, C]`."""
-    return _rows(x, index).transpose(0, 2, 1, 3)
-
-
 def _token_major(x, token_entries):
-    """Per token, the float32 sum of its entries' rows of `x [B, H, E, C]` -> `[B, T, H, C]` (`token_entries
+    """Per token, the float32 sum of its entries' rows of `x [B, E, H, C]` -> `[B, T, H, C]` (`token_entries
     [B, T, S]`, E for none). A gather: a scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`."""
-    return _rows(x.transpose(0, 2, 1, 3), token_entries).astype(jnp.float32).sum(axis=2)
+    return _rows(x, token_entries).astype(jnp.float32).sum(axis=2)
+
+
+def _activation(x, s: Settings, block=None, heads_per_kv=1):
+    """A row-major activation `x [B, rows, H, C]` (or an output's `jax.ShapeDtypeStruct`) as a kernel operand: as
+    it is on GPUs (layout 'token', no copy); head-major `[B, H, rows, C]` on TPUs ('head'), whose blocks must tile
+    or span their last two dimensions."""
+    if s.backend not in TPU_BACKENDS:
+        return _Operand(x, "token", block, heads_per_kv)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        b, rows, h, c = x.shape
+        return _Operand(jax.ShapeDtypeStruct((b, h, rows, c), x.dtype), "head", block, heads_per_kv)
+    return _Operand(x.transpose(0, 2, 1, 3), "head", block, heads_per_kv)
+
+
+def _row_major(x, s: Settings):
+    """A kernel's activation output (`_activation`'s layout) as `[B, rows, H, C]`."""
+    return x.transpose(0, 2, 1, 3) if s.backend in TPU_BACKENDS else x
 
 
 def _per_kv_head(x, kv_heads):
@@ -622,25 +639,25 @@ def _band_ids(p: Plan):
 
 
 def _band_rows(x, tp):
-    """`x [B, T, H, C]` padded to `tp` rows, head-major `[B, H, tp, C]`."""
-    return jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+    """`x [B, T, ...]` padded with zeros to `tp` rows."""
+    return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def _group_forward(q, k, v, p: Plan, s: Settings):
-    """Set A: out `[B, H, E, Dv]`, lse `[B, H, E]` per entry."""
+    """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
-    qa, ka, va = (_head_major(x, p.entry_token) for x in (q, k, v))
+    qa, ka, va = (_rows(x, p.entry_token) for x in (q, k, v))
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     inputs = [_Operand(p.first_key_block, "table"), _Operand(p.block_info, "table"),
               _Operand(q_ids, "column", s.block), _Operand(q_lower, "column", s.block),
-              _Operand(qa, "head", s.block), _Operand(ka, "head", heads_per_kv=g), _Operand(va, "head", heads_per_kv=g),
+              _activation(qa, s, s.block), _activation(ka, s, heads_per_kv=g), _activation(va, s, heads_per_kv=g),
               _Operand(k_ids, "row"), _Operand(k_words, "row")]
-    outputs = [_Operand(jax.ShapeDtypeStruct((b, h, e, dv), v.dtype), "head", s.block),
+    outputs = [_activation(jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), s, s.block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
     kernel = functools.partial(_group_kernel, softcap=s.softcap)
     out, lse = _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
-    return out, lse.reshape(b, h, e)
+    return _row_major(out, s), lse.reshape(b, h, e)
 
 
 def _band_kwargs(s: Settings):
@@ -648,29 +665,29 @@ def _band_kwargs(s: Settings):
 
 
 def _band_forward(q, k, v, p: Plan, s: Settings):
-    """Set B: out `[B, H, Tp, Dv]`, lse `[B, H, Tp]` per token."""
+    """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token."""
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
     qp, kp, vp = (_band_rows(x, tp) for x in (q, k, v))
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     inputs = [_Operand(q_segment, "column", s.band_block), _Operand(q_words, "column", s.band_block),
-              _Operand(qp, "head", s.band_block), _Operand(kp, "head", heads_per_kv=g),
-              _Operand(vp, "head", heads_per_kv=g), _Operand(k_segment, "row"), _Operand(k_words, "row")]
-    outputs = [_Operand(jax.ShapeDtypeStruct((b, h, tp, dv), v.dtype), "head", s.band_block),
+              _activation(qp, s, s.band_block), _activation(kp, s, heads_per_kv=g),
+              _activation(vp, s, heads_per_kv=g), _Operand(k_segment, "row"), _Operand(k_words, "row")]
+    outputs = [_activation(jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), s, s.band_block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
     kernel = functools.partial(_band_kernel, **_band_kwargs(s))
     out, lse = _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
-    return out, lse.reshape(b, h, tp)
+    return _row_major(out, s), lse.reshape(b, h, tp)
 
 
 def _merge(token_entries, out_a, lse_a, out_b, lse_b):
-    """Per token: log-sum-exp merge of its entries' set-A results (`[B, H, E, Dv]`, `[B, H, E]`; `token_entries
-    [B, T, S]`) and its set-B result (`[B, H, Tp, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse
+    """Per token: log-sum-exp merge of its entries' set-A results (`[B, E, H, Dv]`, `[B, H, E]`; `token_entries
+    [B, T, S]`) and its set-B result (`[B, Tp, H, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse
     `[B, T, H]`."""
     t = token_entries.shape[1]
     lse_a = _rows(lse_a.transpose(0, 2, 1), token_entries, -jnp.inf)  # [B, T, S, H]
-    out_a = _rows(out_a.transpose(0, 2, 1, 3), token_entries).astype(jnp.float32)  # [B, T, S, H, Dv]
-    lse_b, out_b = lse_b.transpose(0, 2, 1)[:, :t], out_b.transpose(0, 2, 1, 3)[:, :t].astype(jnp.float32)
+    out_a = _rows(out_a, token_entries).astype(jnp.float32)  # [B, T, S, H, Dv]
+    lse_b, out_b = lse_b.transpose(0, 2, 1)[:, :t], out_b[:, :t].astype(jnp.float32)
     m = jnp.maximum(jnp.max(lse_a, axis=2), lse_b)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w_a, w_b = jnp.exp(lse_a - m[:, :, None]), jnp.exp(lse_b - m)
@@ -683,7 +700,7 @@ def _merge(token_entries, out_a, lse_a, out_b, lse_b):
 def _attention_fwd(q, k, v, p: Plan, s: Settings):
     b, _, h = q.shape[:3]
     dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
-    empty = lambda rows: (jnp.zeros((b, h, rows, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
+    empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
     out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
     out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
     out, lse = _merge(p.token_entries, out_a, lse_a, out_b, lse_b)
@@ -701,26 +718,26 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     b, _, h, d = q.shape
     hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
     g, token, block = h // hk, p.entry_token, s.block
-    qa, ka, va, doa = (_head_major(x, token) for x in (q, k, v, do))
-    lse_a, delta_a = (_head_major(x[..., None], token)[..., 0] for x in (lse, delta))  # [B, H, E]
+    qa, ka, va, doa = (_rows(x, token) for x in (q, k, v, do))
+    lse_a, delta_a = (_rows(x, token).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
-    gradient = lambda c, dtype: _Operand(jax.ShapeDtypeStruct((b, h, e, c), dtype), "head", block)
+    gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block)
     query_blocks = [_Operand(x, "column", block) for x in (q_ids, q_lower)] + [
-        _Operand(x, "head", block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
+        _activation(x, s, block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
-                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _Operand(ka, "head", heads_per_kv=g),
-                   _Operand(va, "head", heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
+                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _activation(ka, s, heads_per_kv=g),
+                   _activation(va, s, heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
                   [gradient(d, q.dtype)], grid, s, "focus_group_dq", block)
-    walked_queries = [_Operand(x, "head") for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
+    walked_queries = [_activation(x, s) for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _Operand(x, "column") for x in (q_ids, q_lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
                     [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
-                     _Operand(k_words, "row", block), _Operand(ka, "head", block, g), _Operand(va, "head", block, g),
+                     _Operand(k_words, "row", block), _activation(ka, s, block, g), _activation(va, s, block, g),
                      *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
-    return (_token_major(dq, p.token_entries), _per_kv_head(_token_major(dk, p.token_entries), hk),
-            _per_kv_head(_token_major(dvv, p.token_entries), hk))
+    token_major = lambda x: _token_major(_row_major(x, s), p.token_entries)
+    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 
 def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
@@ -729,23 +746,23 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
     g = h // hk
     qp, kp, vp, dop = (_band_rows(x, tp) for x in (q, k, v, do))
-    lse_b, delta_b = (_band_rows(x[..., None], tp)[..., 0] for x in (lse, delta))  # [B, H, Tp]
+    lse_b, delta_b = (_band_rows(x, tp).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, Tp]
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     grid = (b, h, tp // block)
-    gradient = lambda c, dtype: _Operand(jax.ShapeDtypeStruct((b, h, tp, c), dtype), "head", block)
+    gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, tp, h, c), dtype), s, block)
     query_blocks = [_Operand(x, "column", block) for x in (q_segment, q_words)] + [
-        _Operand(x, "head", block) for x in (qp, dop)] + [_stat_operand(x, s, block) for x in (lse_b, delta_b)]
+        _activation(x, s, block) for x in (qp, dop)] + [_stat_operand(x, s, block) for x in (lse_b, delta_b)]
     (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
-                  [*query_blocks, _Operand(kp, "head", heads_per_kv=g), _Operand(vp, "head", heads_per_kv=g),
+                  [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
                    _Operand(k_segment, "row"), _Operand(k_words, "row")],
                   [gradient(d, q.dtype)], grid, s, "focus_band_dq", block)
-    walked_queries = [_Operand(x, "head") for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
+    walked_queries = [_activation(x, s) for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
         _Operand(x, "column") for x in (q_segment, q_words)]
     dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
                     [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
-                     _Operand(kp, "head", block, g), _Operand(vp, "head", block, g), *walked_queries],
+                     _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block)
-    token_major = lambda x: x.transpose(0, 2, 1, 3)[:, :t].astype(jnp.float32)
+    token_major = lambda x: _row_major(x, s)[:, :t].astype(jnp.float32)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 

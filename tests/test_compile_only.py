@@ -128,7 +128,7 @@ def _temp_bytes(fn, seq_len, device):
 @needs_libtpu
 def test_the_tpu_form_needs_no_more_memory_than_the_gpu_form(h200):
     """Forward + backward at 4K tokens: the Mosaic kernels' temporary memory on a v5e stays within that of the same
-    kernels' Triton form on the H200 (33 vs 129 MiB), whose `[B, H, rows, 1]` per-row statistics are not padded.
+    kernels' Triton form on the H200 (33 vs 97 MiB), whose `[B, H, rows, 1]` per-row statistics are not padded.
     Laid out so on a TPU, whose (8, 128) tiles pad them 128 times, they needed 261 MiB."""
     temp = {backend: _temp_bytes(bench._fused_grad(backend), 4096, device)
             for backend, device in (("mosaic", compile_only.tpu_device("v5e:2x2")), ("triton", h200))}
@@ -140,11 +140,23 @@ def test_the_tpu_form_needs_no_more_memory_than_the_gpu_form(h200):
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])
 def test_the_fused_kernel_needs_no_more_memory_than_the_decomposed_path(backend, h200):
     """Forward + backward at 4K tokens, bf16: the kernels' temporary memory stays within the decomposed path's (H200:
-    129 vs 196 MiB; v5e: 33 vs 65). With float32 gradients scattered back to token order (`segment_sum` into `[B,
+    97 vs 196 MiB; v5e: 33 vs 65). With float32 gradients scattered back to token order (`segment_sum` into `[B,
     T + 1, H, D]` float32) the kernels needed 113 MiB on the v5e."""
     device = h200 if backend == "triton" else compile_only.tpu_device("v5e:2x2")
     fused, decomposed = (_temp_bytes(fn, 4096, device) for fn in (bench._fused_grad(backend), bench._decomposed_grad()))
     assert fused <= decomposed, (fused, decomposed)
+
+
+@needs_cuda
+def test_xla_traffic_counts_operands_and_results_kernels_apart(h200):
+    """One fusion reading and writing a float32 [1024, 1024] moves 8 MiB, no kernel; the fused Focus gradient at 4K
+    splits into its Pallas kernels' traffic and XLA's own (both positive)."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    assert compile_only.xla_traffic(compile_only.compile_for(lambda x: (2 * x).T, x, device=h200)) == (0, 8 * 2 ** 20)
+    q, membership = bench._compile_inputs(4096)
+    kernels, other = compile_only.xla_traffic(compile_only.compile_for(bench._fused_grad("triton"), q, q, q,
+                                                                       membership, device=h200))
+    assert kernels > 6 * q.size * 2 and other > 0, (kernels, other)  # 6 kernels, each reading at least q's size
 
 
 @needs_libtpu
