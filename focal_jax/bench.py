@@ -486,7 +486,8 @@ def _launch(text: str) -> tuple[int, int, int]:
 
 def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``kernel`` subcommand: dense (cuDNN) vs focal through the kernel vs decomposed vs the fused kernel."""
-    from focal_jax.kernels.focus_sparse import dot_product_pallas, focus_sparse_pallas
+    from focal_jax.kernels.focus_sparse import (block_sizes, default_backend, dot_product_pallas,
+                                                focus_sparse_pallas, plan)
 
     jnp = jax.numpy
     on_gpu = jax.default_backend() == "gpu"
@@ -495,8 +496,9 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"## kernel (B=1, H={args.heads}, D={args.head_dim}, {jnp.dtype(dtype).name}, K={_inputs.N_GROUPS} "
           f"balanced, w={_inputs.WINDOW}, top-1, repeats={args.repeats})\n")
     print(_inputs.environment_header(command) + "\n", flush=True)
-    rows = []
+    rows, plan_rows = [], []
     scale = args.head_dim ** -0.5
+    blocks = block_sizes(default_backend())
     for seq_len in args.lengths:
         _log(f"T={seq_len} ...")
         keys = jax.random.split(jax.random.key(args.seed), 3)
@@ -522,8 +524,13 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for name, (fn, pairs) in variants.items():
             calls += [(jax.jit(fn), (q, k, v)), (jax.jit(_sum_grad(fn)), (q, k, v))]
             names += [(name, "forward", pairs, 1.0), (name, "forward + backward", pairs, 3.5)]
-        times = _inputs.interleaved_times(calls, repeats=args.repeats, progress=_log)
-        medians = [statistics.median(t) for t in times]
+        make_plan = jax.jit(lambda m: jax.vmap(lambda m, s: plan(m, s, *blocks, max_groups=1))(
+            m, jnp.zeros(m.shape[:2], jnp.int32)))
+        times = _inputs.interleaved_times(calls + [(make_plan, (membership,))], repeats=args.repeats, progress=_log)
+        medians = [statistics.median(t) for t in times[:-1]]
+        fused = medians[names.index(("Focus fused kernel", "forward", allowed, 1.0))] if not args.launch else None
+        plan_rows.append([str(seq_len), _fmt_ms(statistics.median(times[-1])), _fmt_ms(fused),
+                          _fmt_ratio(statistics.median(times[-1]) / fused) if fused else ""])
         for (name, direction, pairs, flop_factor), seconds in zip(names, medians):
             dense_seconds = medians[names.index((names[0][0], direction, causal, flop_factor))]
             theoretical = causal / pairs
@@ -533,6 +540,9 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
                          _fmt_ratio(theoretical), _fmt_ratio(speedup / theoretical), f"{tflops:.3g}"])
     print(_inputs.markdown_table(["T", "variant", "pass", "time (ms)", "speedup vs dense", "theoretical (1/pairs)",
                                   "achieved / theoretical", "TFLOP/s on its pairs"], rows))
+    print("\nThe fused kernel's plan alone (the sort by group, the per-block key ranges and ids: `kernels.focus_sparse."
+          "plan`), part of each of its calls above:\n")
+    print(_inputs.markdown_table(["T", "plan (ms)", "fused kernel forward (ms)", "plan / forward"], plan_rows))
     if not on_gpu:
         print("\nNot a GPU: the kernels ran in Pallas interpret mode; these times say nothing about their speed.")
     return 0

@@ -784,6 +784,15 @@ def _attention_bwd(settings, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def block_sizes(backend: str, block_size: int | None = None, band_block_size: int | None = None) -> tuple[int, int]:
+    """`(block_size, band_block_size)` of `focus_sparse_pallas` on `backend`, the defaults filled in."""
+    if block_size is None:
+        block_size = 128 if backend in TPU_BACKENDS else 64
+    if band_block_size is None:
+        band_block_size = max(128, block_size) if backend in TPU_BACKENDS else min(32, block_size)
+    return block_size, band_block_size
+
+
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
                         block_size=None, band_block_size=None, backend=None, mesh=None, max_groups=None,
                         num_warps=None, num_stages=None, _sets=(True, True)):
@@ -814,10 +823,7 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
         raise ValueError(f"num_stages must be an integer >= 1, got num_stages={num_stages!r}")
-    if block_size is None:
-        block_size = 128 if backend in TPU_BACKENDS else 64
-    if band_block_size is None:
-        band_block_size = max(128, block_size) if backend in TPU_BACKENDS else min(32, block_size)
+    block_size, band_block_size = block_sizes(backend, block_size, band_block_size)
     if backend == "mosaic" and (block_size % 128 or band_block_size % 128):
         raise ValueError(f"backend='mosaic' (TPU) needs block sizes that are multiples of 128, got "
                          f"block_size={block_size}, band_block_size={band_block_size}")

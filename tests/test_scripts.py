@@ -51,6 +51,8 @@ def test_bench_kernel_prints_every_variant(capsys):
     out = capsys.readouterr().out
     for name in ("dense causal", "focal t=0.4 through the kernel", "Focus decomposed", "Focus fused kernel"):
         assert out.count(f"| {name}") == 2, name  # forward and forward + backward
+    plan_table = out[out.index("| T   | plan (ms)"):]
+    assert len([line for line in plan_table.splitlines() if line.startswith("| 256 |")]) == 1, plan_table
 
 
 def test_bench_kernel_compares_triton_launches(capsys):
