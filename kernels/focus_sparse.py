@@ -393,6 +393,8 @@ class Settings(NamedTuple):
     num_stages: int  # Triton: software-pipelining stages of the walks
     groups: bool     # compute set A (False when no token is in a group)
     band: bool       # compute set B (False when every token is in the one group)
+    in_order: bool   # set A's entries are the tokens in order (dense attention: one group of every token), so
+                     # the gathers by entry and by token are a pad and a slice
 
 
 class _Operand(NamedTuple):
@@ -584,10 +586,24 @@ def _rows(x, index, fill=0):
     return jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode="fill", fill_value=fill))(x, index)
 
 
-def _token_major(x, token_entries):
-    """Per token, the float32 sum of its entries' rows of `x [B, E, H, C]` -> `[B, T, H, C]` (`token_entries
-    [B, T, S]`, E for none). A gather: a scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`."""
-    return _rows(x, token_entries).astype(jnp.float32).sum(axis=2)
+def _by_entry(x, p: Plan, s: Settings):
+    """`x [B, T, ...]` at set A's entries -> `[B, E, ...]` (zeros for padding entries)."""
+    if s.in_order:
+        return _pad_rows(x, p.entry_token.shape[1])
+    return _rows(x, p.entry_token)
+
+
+def _by_token(x, p: Plan, s: Settings, fill=0):
+    """Each token's entries' rows of `x [B, E, ...]` -> `[B, T, S, ...]` (`fill` for an empty slot)."""
+    if s.in_order:
+        return x[:, :s.n_tokens, None]
+    return _rows(x, p.token_entries, fill)
+
+
+def _token_major(x, p: Plan, s: Settings):
+    """Per token, the float32 sum of its entries' rows of `x [B, E, H, C]` -> `[B, T, H, C]`. A gather: a
+    scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`."""
+    return _by_token(x, p, s).astype(jnp.float32).sum(axis=2)
 
 
 def _activation(x, s: Settings, block=None, heads_per_kv=1):
@@ -638,7 +654,7 @@ def _band_ids(p: Plan):
     return (segment, p.token_words), (segment.transpose(0, 2, 1), p.token_words.transpose(0, 2, 1))
 
 
-def _band_rows(x, tp):
+def _pad_rows(x, tp):
     """`x [B, T, ...]` padded with zeros to `tp` rows."""
     return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
@@ -647,7 +663,7 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
     """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
-    qa, ka, va = (_rows(x, p.entry_token) for x in (q, k, v))
+    qa, ka, va = (_by_entry(x, p, s) for x in (q, k, v))
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     inputs = [_Operand(p.first_key_block, "table"), _Operand(p.block_info, "table"),
               _Operand(q_ids, "column", s.block), _Operand(q_lower, "column", s.block),
@@ -668,7 +684,7 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token."""
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
-    qp, kp, vp = (_band_rows(x, tp) for x in (q, k, v))
+    qp, kp, vp = (_pad_rows(x, tp) for x in (q, k, v))
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     inputs = [_Operand(q_segment, "column", s.band_block), _Operand(q_words, "column", s.band_block),
               _activation(qp, s, s.band_block), _activation(kp, s, heads_per_kv=g),
@@ -680,13 +696,12 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     return _row_major(out, s), lse.reshape(b, h, tp)
 
 
-def _merge(token_entries, out_a, lse_a, out_b, lse_b):
-    """Per token: log-sum-exp merge of its entries' set-A results (`[B, E, H, Dv]`, `[B, H, E]`; `token_entries
-    [B, T, S]`) and its set-B result (`[B, Tp, H, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse
-    `[B, T, H]`."""
-    t = token_entries.shape[1]
-    lse_a = _rows(lse_a.transpose(0, 2, 1), token_entries, -jnp.inf)  # [B, T, S, H]
-    out_a = _rows(out_a, token_entries).astype(jnp.float32)  # [B, T, S, H, Dv]
+def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
+    """Per token: log-sum-exp merge of its entries' set-A results (`[B, E, H, Dv]`, `[B, H, E]`) and its set-B
+    result (`[B, Tp, H, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
+    t = s.n_tokens
+    lse_a = _by_token(lse_a.transpose(0, 2, 1), p, s, -jnp.inf)  # [B, T, S, H]
+    out_a = _by_token(out_a, p, s).astype(jnp.float32)  # [B, T, S, H, Dv]
     lse_b, out_b = lse_b.transpose(0, 2, 1)[:, :t], out_b[:, :t].astype(jnp.float32)
     m = jnp.maximum(jnp.max(lse_a, axis=2), lse_b)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -703,7 +718,7 @@ def _attention_fwd(q, k, v, p: Plan, s: Settings):
     empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
     out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
     out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
-    out, lse = _merge(p.token_entries, out_a, lse_a, out_b, lse_b)
+    out, lse = _merge(p, s, out_a, lse_a, out_b, lse_b)
     out = out.astype(v.dtype)
     return out, (q, k, v, p, out, lse)
 
@@ -717,9 +732,9 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     """Set A's dq, dk, dv in token space (float32)."""
     b, _, h, d = q.shape
     hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
-    g, token, block = h // hk, p.entry_token, s.block
-    qa, ka, va, doa = (_rows(x, token) for x in (q, k, v, do))
-    lse_a, delta_a = (_rows(x, token).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
+    g, block = h // hk, s.block
+    qa, ka, va, doa = (_by_entry(x, p, s) for x in (q, k, v, do))
+    lse_a, delta_a = (_by_entry(x, p, s).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
     (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block)
@@ -736,7 +751,7 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
                      _Operand(k_words, "row", block), _activation(ka, s, block, g), _activation(va, s, block, g),
                      *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
-    token_major = lambda x: _token_major(_row_major(x, s), p.token_entries)
+    token_major = lambda x: _token_major(_row_major(x, s), p, s)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 
@@ -745,8 +760,8 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     b, t, h, d = q.shape
     hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
     g = h // hk
-    qp, kp, vp, dop = (_band_rows(x, tp) for x in (q, k, v, do))
-    lse_b, delta_b = (_band_rows(x, tp).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, Tp]
+    qp, kp, vp, dop = (_pad_rows(x, tp) for x in (q, k, v, do))
+    lse_b, delta_b = (_pad_rows(x, tp).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, Tp]
     (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
     grid = (b, h, tp // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, tp, h, c), dtype), s, block)
@@ -795,7 +810,7 @@ def block_sizes(backend: str, block_size: int | None = None, band_block_size: in
 
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
                         block_size=None, band_block_size=None, backend=None, mesh=None, max_groups=None,
-                        num_warps=None, num_stages=None, _sets=(True, True)):
+                        num_warps=None, num_stages=None, _sets=(True, True, False)):
     """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
@@ -855,4 +870,4 @@ def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, so
     return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=0 if window is None else window,
                                segment_ids=segment_ids, softcap=softcap, block_size=block_size,
                                band_block_size=band_block_size, backend=backend, mesh=mesh, num_warps=num_warps,
-                               num_stages=num_stages, _sets=(window is None, window is not None))
+                               num_stages=num_stages, _sets=(window is None, window is not None, window is None))
