@@ -112,7 +112,7 @@ def test_bf16_inputs_accumulate_in_float32():
 
 
 @pytest.mark.parametrize("window,backend", [(None, GPU_FORM), (0, GPU_FORM), (7, GPU_FORM), (100, GPU_FORM),
-                                            (7, "mosaic_interpret")])
+                                            (None, "mosaic_interpret"), (7, "mosaic_interpret")])
 def test_dense_and_focal_through_the_kernel(window, backend):
     """No groups: every causal pair (one group) or the local band (no group), against jax.nn.dot_product_attention
     (an outside implementation) and the reference, with segments, GQA and a focal temperature."""
