@@ -601,8 +601,8 @@ def _by_token(x, p: Plan, s: Settings, fill=0):
 
 
 def _token_major(x, p: Plan, s: Settings):
-    """Per token, the float32 sum of its entries' rows of `x [B, E, H, C]` -> `[B, T, H, C]`. A gather: a
-    scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`."""
+    """Per token, the float32 sum of its entries' rows of `x [B, E, H, C]` -> `[B, T, H, C]`, gathered (a
+    scatter-add by `entry_token` would hold a float32 `[B, T + 1, H, C]`)."""
     return _by_token(x, p, s).astype(jnp.float32).sum(axis=2)
 
 
