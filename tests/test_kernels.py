@@ -340,7 +340,8 @@ def test_plan_covers_every_allowed_pair(groups, k, sink):
 @pytest.mark.parametrize("groups,k,max_groups", [(4, 1, 1), (5, 3, None), (5, 3, 2), (40, 2, 2)])
 def test_plan_token_entries_are_the_entries_of_each_token(groups, k, max_groups):
     """`token_entries[t]` lists, in group order, the entries whose `entry_token` is t, then E (none); with
-    `max_groups` below k a token keeps its lowest groups. 40 groups: more groups than T = 21 tokens, two bitmask words."""
+    `max_groups` below k a token keeps its lowest groups. 40 groups: more groups than T = 21 tokens, two bitmask
+    words."""
     t, block = 21, 8
     membership = random_membership(3, 1, t, groups, k)[0]
     plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, 8, max_groups=max_groups)
