@@ -499,6 +499,8 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     rows, plan_rows = [], []
     scale = args.head_dim ** -0.5
     blocks = block_sizes(default_backend())
+    make_plan = jax.jit(lambda m: jax.vmap(lambda m, s: plan(m, s, *blocks, max_groups=1))(
+        m, jnp.zeros(m.shape[:2], jnp.int32)))
     for seq_len in args.lengths:
         _log(f"T={seq_len} ...")
         keys = jax.random.split(jax.random.key(args.seed), 3)
@@ -524,8 +526,6 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for name, (fn, pairs) in variants.items():
             calls += [(jax.jit(fn), (q, k, v)), (jax.jit(_sum_grad(fn)), (q, k, v))]
             names += [(name, "forward", pairs, 1.0), (name, "forward + backward", pairs, 3.5)]
-        make_plan = jax.jit(lambda m: jax.vmap(lambda m, s: plan(m, s, *blocks, max_groups=1))(
-            m, jnp.zeros(m.shape[:2], jnp.int32)))
         times = _inputs.interleaved_times(calls + [(make_plan, (membership,))], repeats=args.repeats, progress=_log)
         medians = [statistics.median(t) for t in times[:-1]]
         fused = medians[names.index(("Focus fused kernel", "forward", allowed, 1.0))] if not args.launch else None

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
-from focal_jax.attention.decomposed import _groups_below, _routing
+from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
 from focal_jax.kernels.partition import per_shard
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
@@ -85,7 +85,7 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
     group = routing.entry_group
     real = token < t
     words = routing.words[token]
-    below = _groups_below(group, n_words)
+    lower = words & _groups_below(group, n_words)  # the entry token's groups below the entry's group
     segment = jnp.where(real, routing.segment[token], -1)
     single = jnp.sum(jax.lax.population_count(words), axis=-1) <= 1
     n_blocks = e // block
@@ -99,13 +99,12 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
     first = jnp.where(blocks(real)[:, 0], first, block_index + 1).astype(jnp.int32)  # padding blocks visit nothing
     last = jnp.searchsorted(first, block_index, side="right") - 1  # `first` is non-decreasing
     tp = -(-t // band_block) * band_block
-    slots = k if max_groups is None else min(max_groups, k)  # entries per token, as in `_routing`
-    rank = jnp.sum(jax.lax.population_count(words & below), axis=-1)  # of the entry among its token's entries
-    token_entries = jnp.full((t, slots), e, jnp.int32).at[token, rank].set(jnp.arange(e, dtype=jnp.int32),
-                                                                           mode="drop")  # padding: token t
+    rank = jnp.sum(jax.lax.population_count(lower), axis=-1)  # of the entry among its token's entries
+    token_entries = jnp.full((t, _entry_slots(k, max_groups)), e, jnp.int32).at[token, rank].set(
+        jnp.arange(e, dtype=jnp.int32), mode="drop")  # padding entries (token t) are dropped
     return Plan(
         entry_token=token, entry_group=group, entry_segment=segment, entry_words=words,
-        entry_lower=words & below, first_key_block=first, last_query_block=last.astype(jnp.int32),
+        entry_lower=lower, first_key_block=first, last_query_block=last.astype(jnp.int32),
         block_info=jnp.stack([uniform.astype(jnp.int32), blocks(group)[:, 0], blocks(segment)[:, 0],
                               jnp.zeros(n_blocks, jnp.int32)]),
         token_segment=jnp.pad(segment_ids.astype(jnp.int32), (0, tp - t), constant_values=-1),

@@ -52,12 +52,17 @@ def _groups_below(group, n_words):
     return jnp.where(count >= BITS_PER_WORD, 0x7FFFFFFF, (1 << count) - 1).astype(jnp.int32)
 
 
+def _entry_slots(k, max_groups):
+    """Entry slots per token: `max_groups`, at most K (default K)."""
+    return k if max_groups is None else min(max_groups, k)
+
+
 def _routing(membership, segment_ids, block, max_groups=None):
     """Builds the `Routing` of one sequence: membership bool `[T, K]`, segment ids int `[T]`. Each token gets
     `max_groups` entry slots (default K), so E = `max_groups * T` rounded up to a block; a token in more groups than
     that keeps its `max_groups` lowest ones."""
     t, k = membership.shape
-    slots = k if max_groups is None else min(max_groups, k)
+    slots = _entry_slots(k, max_groups)
     if slots == k:
         is_member, group = membership, jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (t, k))
     else:
