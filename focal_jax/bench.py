@@ -26,7 +26,8 @@ H = 16, D = 128, K = 8, w = 128, top-1), its grid, threads, shared memory, regis
 ``--launch`` (block : warps : stages) next to the library's default; then the temporary memory that XLA's buffer
 assignment gives the forward + backward on the H200 for the decomposed path and the fused kernel at each of
 ``--memory-lengths`` (cuDNN's needs cuDNN, which that environment lacks), and on each of ``--tpus`` for the
-decomposed path and the Mosaic kernels.
+decomposed path and the Mosaic kernels; for the fused kernel also the bytes that XLA's own ops around it read and
+write (``compile_only.xla_traffic``).
 
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
 block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of
@@ -772,9 +773,10 @@ def _compile_for_tpus(args: argparse.Namespace) -> None:
         for seq_len in args.memory_lengths:
             _log(f"{topology}: compiling T={seq_len} ...")
             rows.append([topology, f"{seq_len:,}", _temp_mib(_decomposed_grad(), seq_len, device),
-                         _temp_mib(_fused_grad("mosaic"), seq_len, device)])
+                         *_temp_mib(_fused_grad("mosaic"), seq_len, device, traffic=True)])
     print("TPUs (Mosaic, default blocks of 128): temporary memory (MiB) of the forward + backward\n")
-    print(_inputs.markdown_table(["TPU", "T", "Focus decomposed", "Focus fused kernel"], rows))
+    print(_inputs.markdown_table(["TPU", "T", "Focus decomposed", "Focus fused kernel",
+                                  "fused: GB read + written by XLA's ops around the kernels"], rows))
 
 
 def _sum_grad(fn):

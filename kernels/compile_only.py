@@ -194,26 +194,36 @@ def kernel_resources(fn, *args, device, prefix: str = "focus_") -> list[KernelRe
             for name, (grid, threads, shared) in launches.items()]
 
 
-_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\](\{[^}]*\})?")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")  # a TPU layout's memory space other than HBM (VMEM, SMEM, ...)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*?)\)(.*)$")
 _NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
 
 
 def _array_bytes(shape_text: str) -> int:
-    """Bytes of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them)."""
+    """Bytes in device memory of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them); an array that
+    a TPU keeps on chip (layout `{...S(1)}`) counts 0."""
     total = 0
-    for dtype, dims in _ARRAY.findall(shape_text):
+    for dtype, dims, layout in _ARRAY.findall(shape_text):
+        if _ON_CHIP.search(layout):
+            continue
         bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else int(dtype[1:])
         total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * max(bits // 8, 1)
     return total
 
 
 def xla_traffic(compiled, kernel_prefix: str = "focus_") -> tuple[int, int]:
-    """`(kernels, other)`: bytes read and written by the top-level instructions of a compiled program's entry
-    computation, the custom calls of the Pallas kernels named `kernel_prefix*` apart from XLA's own ops (fusions,
-    copies, sorts, gathers). Operand plus result sizes, each instruction's inputs counted as read once: a
-    bandwidth floor for a memory-bound op, not a measurement; loops count once."""
-    text = compiled.as_text()
+    """`(kernels, other)`: bytes of the device's memory (HBM) read and written by the top-level instructions of a
+    compiled program's entry computation, the custom calls of the Pallas kernels named `kernel_prefix*` apart from
+    XLA's own ops (fusions, copies, sorts, gathers). See `hlo_traffic`."""
+    return hlo_traffic(compiled.as_text(), kernel_prefix)
+
+
+def hlo_traffic(text: str, kernel_prefix: str = "focus_") -> tuple[int, int]:
+    """`xla_traffic` of a compiled program's HLO text. Operand plus result sizes, each instruction's inputs counted
+    as read once: a bandwidth floor for a memory-bound op, not a measurement; loops count once. On TPUs, arrays
+    that XLA keeps on chip (memory space `S(1)`, VMEM) move nothing, and an asynchronous copy counts once, at its
+    start (whose result holds the source and the destination)."""
     entry = text[text.index("\nENTRY"):].split("\n}\n")[0]
     shapes, kernels, other = {}, 0, 0
     for line in entry.splitlines()[1:]:
@@ -222,11 +232,14 @@ def xla_traffic(compiled, kernel_prefix: str = "focus_") -> tuple[int, int]:
             continue
         name, shape, opcode, operands, rest = match.groups()
         shapes[name] = shape
-        if opcode in _NO_TRAFFIC:
+        if opcode in _NO_TRAFFIC or opcode.endswith("-done"):
             continue
         operands = re.sub(r"/\*.*?\*/", "", operands).split(",")  # drops XLA's /*index=5*/ marks
-        moved = _array_bytes(shape) + sum(_array_bytes(shapes.get(x.split()[-1], "")) for x in operands if x.strip())
-        if opcode == "custom-call" and re.search(rf'name="{kernel_prefix}|{kernel_prefix}\w*"', rest):
+        reads = sum(_array_bytes(shapes.get(x.split()[-1], "")) for x in operands if x.strip())
+        moved = _array_bytes(shape) + (0 if opcode.endswith("-start") else reads)
+        # A Triton kernel's name is in its config; a Mosaic kernel's in the instruction's (`%jvp_focus_group_.1`).
+        named = kernel_prefix in name or re.search(rf'name="{kernel_prefix}|{kernel_prefix}\w*"', rest)
+        if opcode == "custom-call" and named:
             kernels += moved
         else:
             other += moved

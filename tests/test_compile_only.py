@@ -147,6 +147,28 @@ def test_the_fused_kernel_needs_no_more_memory_than_the_decomposed_path(backend,
     assert fused <= decomposed, (fused, decomposed)
 
 
+TPU_HLO = """HloModule m
+
+ENTRY %main (p: bf16[1024,512]) -> bf16[1024,512] {
+%p = bf16[1024,512]{1,0:T(8,128)(2,1)} parameter(0)
+%copy-start = (bf16[1024,512]{1,0:T(8,128)(2,1)S(1)}, bf16[1024,512]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%p)
+%copy-done = bf16[1024,512]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+%jvp_focus_band_.1 = bf16[1024,512]{1,0:T(8,128)(2,1)S(1)} custom-call(%copy-done), custom_call_target="tpu_custom_call"
+ROOT %fusion = bf16[1024,512]{1,0:T(8,128)(2,1)} fusion(%jvp_focus_band_.1, %p), kind=kLoop, calls=%f
+}
+"""
+
+
+def test_hlo_traffic_of_a_tpu_program():
+    """A TPU program: XLA prefetches a 1 MiB input into VMEM (`S(1)`) with an asynchronous copy (1 MiB read), a
+    Mosaic kernel (named in its instruction) reads and writes VMEM (nothing), a fusion reads the VMEM result and the
+    input and writes its output (2 MiB). Before this was mended the copy counted 6 MiB and the kernel 2 MiB as
+    XLA's."""
+    mib = 2 ** 20
+    assert compile_only.hlo_traffic(TPU_HLO) == (0, 3 * mib)
+    assert compile_only.hlo_traffic(TPU_HLO.replace("S(1)", "")) == (2 * mib, 5 * mib)  # all in HBM
+
+
 @needs_cuda
 def test_xla_traffic_counts_operands_and_results_kernels_apart(h200):
     """One fusion reading and writing a float32 [1024, 1024] moves 8 MiB, no kernel; the fused Focus gradient at 4K
@@ -157,6 +179,16 @@ def test_xla_traffic_counts_operands_and_results_kernels_apart(h200):
     kernels, other = compile_only.xla_traffic(compile_only.compile_for(bench._fused_grad("triton"), q, q, q,
                                                                        membership, device=h200))
     assert kernels > 6 * q.size * 2 and other > 0, (kernels, other)  # 6 kernels, each reading at least q's size
+
+
+@needs_libtpu
+def test_xla_traffic_finds_the_mosaic_kernels():
+    """A Mosaic kernel's name is its instruction's (`%jvp_focus_group_.1`), not in its config as a Triton kernel's:
+    0.6.3 counted the TPU kernels' traffic as XLA's own (kernels 0)."""
+    q, membership = bench._compile_inputs(4096)
+    kernels, other = compile_only.xla_traffic(compile_only.compile_for(
+        bench._fused_grad("mosaic"), q, q, q, membership, device=compile_only.tpu_device("v5e:2x2")))
+    assert kernels > 6 * q.size * 2 and other > 0, (kernels, other)
 
 
 @needs_libtpu
