@@ -201,8 +201,8 @@ _NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
 
 
 def _array_bytes(shape_text: str) -> int:
-    """Bytes in device memory of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them); an array that
-    a TPU keeps on chip (layout `{...S(1)}`) counts 0."""
+    """Bytes in HBM of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them): an array that a TPU
+    keeps on chip (layout `{...S(1)}`) counts 0."""
     total = 0
     for dtype, dims, layout in _ARRAY.findall(shape_text):
         if _ON_CHIP.search(layout):

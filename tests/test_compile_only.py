@@ -184,7 +184,7 @@ def test_xla_traffic_counts_operands_and_results_kernels_apart(h200):
 @needs_libtpu
 def test_xla_traffic_finds_the_mosaic_kernels():
     """A Mosaic kernel's name is its instruction's (`%jvp_focus_group_.1`), not in its config as a Triton kernel's:
-    0.6.3 counted the TPU kernels' traffic as XLA's own (kernels 0)."""
+    before this was mended the TPU kernels' traffic was counted as XLA's own (kernels 0)."""
     q, membership = bench._compile_inputs(4096)
     kernels, other = compile_only.xla_traffic(compile_only.compile_for(
         bench._fused_grad("mosaic"), q, q, q, membership, device=compile_only.tpu_device("v5e:2x2")))
