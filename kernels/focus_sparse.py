@@ -782,6 +782,12 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
 
 def _attention_bwd(settings, residuals, d_out):
     q, k, v, p, out, lse = residuals
+    if settings.backend not in TPU_BACKENDS:
+        # XLA would otherwise merge the backward's gathers into (group, position) order with the forward's
+        # identical ones and keep those copies alive from one to the other (3 `[B, T, H, D]` per layer of a
+        # model): the barrier makes the backward gather anew. On TPUs it saved memory per layer too but raised a
+        # lone layer's peak (BENCHMARKS.md), so there the copies are kept.
+        q, k, v = jax.lax.optimization_barrier((q, k, v))
     do = d_out.astype(v.dtype)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
