@@ -710,19 +710,18 @@ def _decomposed_grad():
         q, k, v, m, window=_inputs.WINDOW, impl="decomposed", max_groups=1))
 
 
-def _temp_mib(fn, seq_len: int, device, traffic: bool = False) -> str | tuple[str, str]:
-    """Temporary memory (MiB) of `fn` compiled for `device` at `seq_len`, or the first line of the error; with
-    `traffic`, also the GB that XLA's own ops outside the kernels read and write (`compile_only.xla_traffic`)."""
+def _temp_mib(fn, seq_len: int, device) -> tuple[str, str]:
+    """`(temporary memory in MiB, GB that XLA's own ops outside the kernels read and write)` of `fn` compiled for
+    `device` at `seq_len` (`compile_only.xla_traffic`), or `(the first line of the error, '')`."""
     from focal_jax.kernels import compile_only
 
     q, membership = _compile_inputs(seq_len)
     try:
         compiled = compile_only.compile_for(fn, q, q, q, membership, device=device)
     except Exception as error:  # the compiler's own message, e.g. the VMEM a kernel asked for
-        failed = "does not compile: " + str(error).splitlines()[0][:100]
-        return (failed, "") if traffic else failed
+        return "does not compile: " + str(error).splitlines()[0][:100], ""
     temp = _fmt_mib(compiled.memory_analysis().temp_size_in_bytes / 2 ** 20)
-    return (temp, f"{compile_only.xla_traffic(compiled)[1] / 1e9:.2f}") if traffic else temp
+    return temp, f"{compile_only.xla_traffic(compiled)[1] / 1e9:.2f}"
 
 
 def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
@@ -754,7 +753,7 @@ def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
     for seq_len in args.memory_lengths:
         _log(f"H200: compiling T={seq_len} (memory) ...")
         for name, fn in variants.items():
-            temp, traffic = _temp_mib(fn, seq_len, device, traffic=True)
+            temp, traffic = _temp_mib(fn, seq_len, device)
             rows.append([f"{seq_len:,}", name, temp, "(loops)" if name == "Focus decomposed" else traffic])
     print("\n" + _inputs.markdown_table(["T", "forward + backward", "temp memory on the H200 (MiB)",
                                           "GB read + written by XLA's ops around the kernels"], rows) + "\n")
@@ -772,8 +771,8 @@ def _compile_for_tpus(args: argparse.Namespace) -> None:
         device = compile_only.tpu_device(topology)
         for seq_len in args.memory_lengths:
             _log(f"{topology}: compiling T={seq_len} ...")
-            rows.append([topology, f"{seq_len:,}", _temp_mib(_decomposed_grad(), seq_len, device),
-                         *_temp_mib(_fused_grad("mosaic"), seq_len, device, traffic=True)])
+            rows.append([topology, f"{seq_len:,}", _temp_mib(_decomposed_grad(), seq_len, device)[0],
+                         *_temp_mib(_fused_grad("mosaic"), seq_len, device)])
     print("TPUs (Mosaic, default blocks of 128): temporary memory (MiB) of the forward + backward\n")
     print(_inputs.markdown_table(["TPU", "T", "Focus decomposed", "Focus fused kernel",
                                   "fused: GB read + written by XLA's ops around the kernels"], rows))
