@@ -27,7 +27,8 @@ H = 16, D = 128, K = 8, w = 128, top-1), its grid, threads, shared memory, regis
 assignment gives the forward + backward on the H200 for the decomposed path and the fused kernel at each of
 ``--memory-lengths`` (cuDNN's needs cuDNN, which that environment lacks), and on each of ``--tpus`` for the
 decomposed path and the Mosaic kernels; for the fused kernel also the bytes that XLA's own ops around it read and
-write (``compile_only.xla_traffic``).
+write (``compile_only.xla_traffic``). For the Mosaic kernels, first what one step of each one's walk copies into
+VMEM, as the TPU's tiles store it and as data (``walked_step_bytes``; traced, the same on every generation).
 
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
 block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of
@@ -350,6 +351,30 @@ def matmul_flops(fn, *args) -> tuple[float, float]:
             total += flops
             low += flops if lhs.dtype.itemsize == 2 and rhs.dtype.itemsize == 2 else 0.0
     return total, low
+
+
+def walked_step_bytes(fn, *args) -> list[tuple[str, int, int]]:
+    """Per TPU-form Pallas kernel of `focal_jax.kernels.focus_sparse` in `fn(*args)` (traced, not compiled):
+    `(name, stored, data)`, the bytes that one step of its walk copies into its VMEM slots (one slot of each walked
+    operand's two) as a TPU's tiles store them, 8 rows of 32-bit words (16 of 16-bit ones) by 128 lanes, and the
+    bytes of data in them: a 32-bit `[128, 4]` block stores 64 KiB and holds 2."""
+    rows_per_tile = {1: 32, 2: 16, 4: 8}
+    result = []
+    for eqn, _ in traced_equations(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name != "pallas_call":
+            continue
+        kernel = eqn.params["jaxpr"]
+        scratch = [v.aval for v in kernel.invars[len(kernel.invars) - eqn.params["grid_mapping"].num_scratch_operands:]]
+        stored = data = 0
+        for slots in (a for a in scratch if len(a.shape) >= 3):  # `[2, ...block]` VMEM; semaphores are `[2]`
+            *outer, rows, lanes = slots.shape[1:]
+            size = jax.numpy.dtype(slots.dtype).itemsize
+            tile = rows_per_tile[size]
+            stored += math.prod(outer) * -(-rows // tile) * tile * -(-lanes // 128) * 128 * size
+            data += math.prod(slots.shape[1:]) * size
+        name = eqn.params.get("name") or eqn.params.get("name_and_src_info")  # the latter in older jax
+        result.append((str(name).split()[0], stored, data))
+    return result
 
 
 def _train_size_kinds(platform: str) -> dict[str, dict]:
@@ -763,9 +788,16 @@ def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
 
 
 def _compile_for_tpus(args: argparse.Namespace) -> None:
-    """Per TPU generation and length: the temporary memory of the decomposed path and of the Mosaic kernels."""
+    """Per Mosaic kernel the bytes one walked step copies; per TPU generation and length the temporary memory of
+    the decomposed path and of the Mosaic kernels."""
     from focal_jax.kernels import compile_only
 
+    q, membership = _compile_inputs(args.seq_len)
+    steps = walked_step_bytes(_fused_grad("mosaic"), q, q, q, membership)
+    print("TPUs (Mosaic, default blocks of 128): what one step of each kernel's walk copies into VMEM (KiB)\n")
+    print(_inputs.markdown_table(["kernel", "as the (8, 128) tiles store it", "data"],
+                                 [[name, f"{stored / 1024:.1f}", f"{data / 1024:.1f}"] for name, stored, data in steps]))
+    print()
     rows = []
     for topology in args.tpus:
         device = compile_only.tpu_device(topology)

@@ -201,15 +201,31 @@ _NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
 
 
 def _array_bytes(shape_text: str) -> int:
-    """Bytes in HBM of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them): an array that a TPU
-    keeps on chip (layout `{...S(1)}`) counts 0."""
+    """Bytes in HBM of the arrays in an HLO shape (`bf16[8,128]{1,0}`, or a tuple of them), as stored: a TPU
+    layout's tile pads the most minor dimensions (`s32[4096,4]{1,0:T(8,128)}` takes 4096 x 128 words); an array
+    that a TPU keeps on chip (layout `{...S(1)}`) counts 0."""
     total = 0
     for dtype, dims, layout in _ARRAY.findall(shape_text):
         if _ON_CHIP.search(layout):
             continue
         bits = 1 if dtype == "pred" else 16 if dtype == "bf16" else int(dtype[1:])
-        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * max(bits // 8, 1)
+        shape = _tile_padded([int(d) for d in dims.split(",") if d], layout)
+        total += int(np.prod(shape, dtype=np.int64)) * max(bits // 8, 1)
     return total
+
+
+def _tile_padded(shape: list[int], layout: str) -> list[int]:
+    """`shape` padded to the first tile of its `layout` (`{1,0:T(8,128)}`: dimension 1, the most minor, to a
+    multiple of 128 and dimension 0 to one of 8); unchanged without a tile (GPUs)."""
+    match = re.match(r"\{([\d,]*):T\(([\d,]+)\)", layout)
+    if not match:
+        return shape
+    minor_to_major = [int(x) for x in match.group(1).split(",") if x]
+    tile = [int(x) for x in match.group(2).split(",")]
+    padded = list(shape)
+    for dim, size in zip(minor_to_major, reversed(tile)):
+        padded[dim] = -(-padded[dim] // size) * size
+    return padded
 
 
 def xla_traffic(compiled, kernel_prefix: str = "focus_") -> tuple[int, int]:
@@ -222,8 +238,9 @@ def xla_traffic(compiled, kernel_prefix: str = "focus_") -> tuple[int, int]:
 def hlo_traffic(text: str, kernel_prefix: str = "focus_") -> tuple[int, int]:
     """`xla_traffic` of a compiled program's HLO text. Operand plus result sizes, each instruction's inputs counted
     as read once: a bandwidth floor for a memory-bound op, not a measurement; loops count once. On TPUs, arrays
-    that XLA keeps on chip (memory space `S(1)`, VMEM) move nothing, and an asynchronous copy counts once, at its
-    start (whose result holds the source and the destination)."""
+    count as stored, padded to their layout's tiles; arrays that XLA keeps on chip (memory space `S(1)`, VMEM)
+    move nothing; and an asynchronous copy counts once, at its start (whose result holds the source and the
+    destination)."""
     entry = text[text.index("\nENTRY"):].split("\n}\n")[0]
     shapes, kernels, other = {}, 0, 0
     for line in entry.splitlines()[1:]:

@@ -13,18 +13,19 @@ Each kernel program owns one block of one head and walks the blocks it pairs wit
 forward pass; the two sets are merged per token by log-sum-exp. A key block whose pairs are all allowed (*full*:
 one group, one segment, strictly earlier, no multi-group query) skips the element mask. The backward pass
 (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel per query block and a dk / dv
-kernel per key block (walking the query blocks that visit it), each accumulating in float32 and writing its block
-in the inputs' dtype; a token's parts (its entries, gathered by `Plan.token_entries`, set B, the query heads that
-share a kv head) are summed in float32. No `[T, T]` array exists anywhere, and no activation or gradient is
-scattered.
+kernel per key block (walking the query blocks that visit it, its scores transposed, `[keys, queries]`), each
+accumulating in float32 and writing its block in the inputs' dtype; a token's parts (its entries, gathered by
+`Plan.token_entries`, set B, the query heads that share a kv head) are summed in float32. No `[T, T]` array exists
+anywhere, and no activation or gradient is scattered.
 
 Layouts: activations stay row-major `[B, rows, H, C]` on GPUs (a program's block `[rows, C]` is a strided slice,
 so no transposed copy exists) and are head-major `[B, H, rows, C]` on TPUs, whose blocks must tile or span their
-last two dimensions (`_activation`); the per-token ids come twice, as columns `[B, rows, C]`
-(query side, read as `[block, 1]`) and as rows `[B, C, rows]` (key side, read as `[1, block]`), so every mask is a
-broadcast of a column against a row. The per-row float32 statistics (log-sum-exp, the backward's delta) are
-`[B, H, rows, 1]`, except on TPUs, whose (8, 128) tiles would pad that last dimension of 1 to 128: there they are
-rows `[B, H, 1, rows]`, turned into columns inside the kernels (`_stat_column`).
+last two dimensions (`_activation`). Every mask is a broadcast of the program's own block's per-token ids, as
+columns `[block, 1]`, against the walked block's, as rows `[1, block]` (`_Vectors`): walked ids come as rows
+`[B, C, rows]`; own ids as columns `[B, rows, C]` on GPUs, and as rows transposed once inside the kernel on TPUs,
+whose (8, 128) tiles would pad a last dimension of C to 128. Likewise the per-row float32 statistics
+(log-sum-exp, the backward's delta) are rows `[B, H, 1, rows]` where walked and on TPUs (turned into columns inside
+the kernels, `_stat_column`), columns `[B, H, rows, 1]` for a GPU program's own block.
 
 Backends (`BACKENDS`): 'triton' (GPU: Pallas's Triton lowering; a program reads the blocks it walks straight from
 global memory), 'mosaic' (TPU: each walked block is copied from HBM into VMEM by DMA, double-buffered so that
@@ -144,14 +145,41 @@ def band_query_blocks(key_block, n_blocks, *, window: int, sink: int, block: int
 # ------------------------------------------------------------------------------------------------ kernel pieces
 
 
-def _column(ref, c):
-    """Column `c` of a query-side ids block `[n, C]` -> `[n, 1]`."""
-    return ref[:, pl.ds(c, 1)]
+class _Vectors:
+    """A block's per-token ids as a sequence of broadcastable vectors, `ids[c]` the ids of column c: `[n, 1]` for
+    a program's own block, `[1, n]` for a walked block, so that every mask is an outer comparison `[own, walked]`
+    whichever side the queries are on."""
+
+    def __init__(self, read, count):
+        self.read, self.count = read, count
+
+    def __getitem__(self, c):
+        return self.read(c)
+
+    def __len__(self):
+        return self.count
 
 
-def _row(ref, c):
-    """Row `c` of a key-side ids block `[C, n]` -> `[1, n]`."""
-    return ref[pl.ds(c, 1), :]
+def _walked_vectors(ref):
+    """A walked block of ids `[C, n]` (rows), read as needed: `[1, n]` each."""
+    return _Vectors(lambda c: ref[pl.ds(c, 1), :], ref.shape[0])
+
+
+def _own_vectors(ref, layout):
+    """A program's own block of ids as columns `[n, 1]`: read as needed from a column block `[n, C]` (GPU), or
+    transposed once from a row block `[C, n]` (TPU, whose (8, 128) tiles would pad a column array's last
+    dimension C to 128)."""
+    if layout == "column":
+        return _Vectors(lambda c: ref[:, pl.ds(c, 1)], ref.shape[1])
+    columns = tuple(_transposed(ref[pl.ds(c, 1), :]) for c in range(ref.shape[0]))
+    return _Vectors(columns.__getitem__, len(columns))
+
+
+def _positions(block_index, block, own):
+    """Token positions of a block: a column `[block, 1]` for a program's own block, a row `[1, block]` for a
+    walked one."""
+    shape, axis = ((block, 1), 0) if own else ((1, block), 1)
+    return block_index * block + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
 def _matmul(a, b, contract):
@@ -164,20 +192,20 @@ def _scores(q, k, softcap):
 
 
 def _shares(query_words, key_words):
-    """Query-side `[bq, W]` and key-side `[W, bk]` bitmask refs -> `[bq, bk]` bool: a common bit."""
+    """Query-side and key-side bitmask `_Vectors` (W words each) -> bool, true where the two share a bit."""
     common = None
-    for w in range(query_words.shape[1]):
-        word = (_column(query_words, w) & _row(key_words, w)) != 0
+    for w in range(len(query_words)):
+        word = (query_words[w] & key_words[w]) != 0
         common = word if common is None else common | word
     return common
 
 
 def _group_allowed(query_ids, query_lower, key_ids, key_words):
-    """Set A's mask `[bq, bk]`: same group, causal, same segment, real, no lower group shared."""
-    query_segment = _column(query_ids, SEGMENT)
-    return ((_column(query_ids, GROUP) == _row(key_ids, GROUP)) & (_row(key_ids, TOKEN) <= _column(query_ids, TOKEN))
-            & (query_segment == _row(key_ids, SEGMENT)) & (query_segment >= 0)
-            & ~_shares(query_lower, key_words))
+    """Set A's mask (`_Vectors` in, `[own, walked]` out): same group, causal, same segment, real, no lower group
+    shared."""
+    query_segment = query_ids[SEGMENT]
+    return ((query_ids[GROUP] == key_ids[GROUP]) & (key_ids[TOKEN] <= query_ids[TOKEN])
+            & (query_segment == key_ids[SEGMENT]) & (query_segment >= 0) & ~_shares(query_lower, key_words))
 
 
 def _is_full(info, query_block, key_block):
@@ -188,23 +216,23 @@ def _is_full(info, query_block, key_block):
             & (info[SEGMENT, query_block] == info[SEGMENT, key_block]))
 
 
-def _group_scores(q, k, query_side, key_side, info, query_block, key_block, softcap):
-    """Set A's scores of one block pair, NEG_INF where not allowed (the element mask skipped for full blocks);
-    `query_side` = (ids, lower) and `key_side` = (ids, words) refs of the two blocks."""
+def _group_masked(s, query_side, key_side, info, query_block, key_block):
+    """Set A's scores `s` of one block pair, NEG_INF where not allowed (the element mask skipped for full blocks);
+    `query_side` = (ids, lower) and `key_side` = (ids, words) `_Vectors` of the two blocks, `s` `[bq, bk]` or,
+    with the keys own, `[bk, bq]`."""
     masked = lambda s: jnp.where(_group_allowed(*query_side, *key_side), s, NEG_INF)
-    return jax.lax.cond(_is_full(info, query_block, key_block), lambda s: s, masked, _scores(q, k, softcap))
+    return jax.lax.cond(_is_full(info, query_block, key_block), lambda s: s, masked, s)
 
 
-def _band_scores(q, k, query_side, key_side, query_block, key_block, block, window, sink, n_tokens, softcap):
-    """Set B's scores of one block pair, NEG_INF where not allowed: causal, local or a sink key, real, same
-    segment, no group shared; `query_side` and `key_side` = (segment, words) refs of the two blocks."""
+def _band_masked(s, query_side, key_side, query_pos, key_pos, window, sink, n_tokens):
+    """Set B's scores `s` of one block pair, NEG_INF where not allowed: causal, local or a sink key, real, same
+    segment, no group shared; `query_side` and `key_side` = (segment, words) `_Vectors`, positions from
+    `_positions` (either orientation, as `_group_masked`)."""
     (query_segment, query_words), (key_segment, key_words) = query_side, key_side
-    q_pos = query_block * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-    k_pos = key_block * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-    distance = q_pos - k_pos
-    allowed = ((distance >= 0) & ((distance <= window) | (k_pos < sink)) & (q_pos < n_tokens) & (k_pos < n_tokens)
-               & (query_segment[...] == key_segment[...]) & ~_shares(query_words, key_words))
-    return jnp.where(allowed, _scores(q, k, softcap), NEG_INF)
+    distance = query_pos - key_pos
+    allowed = ((distance >= 0) & ((distance <= window) | (key_pos < sink)) & (query_pos < n_tokens)
+               & (key_pos < n_tokens) & (query_segment[0] == key_segment[0]) & ~_shares(query_words, key_words))
+    return jnp.where(allowed, s, NEG_INF)
 
 
 def _online(carry, s, v):
@@ -250,12 +278,13 @@ def _finish(carry, o_ref, lse_ref):
     _store_stat(lse_ref, jnp.where(empty, -jnp.inf, m + jnp.log(safe)))
 
 
-def _grad_scores(s, lse, do, v, delta, softcap):
-    """Flash-attention backward of one block: p = exp(s - lse) on the allowed pairs (lse, delta `[bq, 1]`);
-    d(raw score) `[bq, bk]`."""
+def _grad_scores(s, lse, dp, delta, softcap):
+    """Flash-attention backward of one block: p = exp(s - lse) on the allowed pairs and d(raw score), from the
+    scores `s`, dp = dO . v per pair and the queries' lse and delta, in one orientation: s, dp `[bq, bk]` with lse,
+    delta `[bq, 1]`, or all transposed (`[bk, bq]`, `[1, bq]`)."""
     allowed = s > NEG_INF / 2
     p = jnp.where(allowed, jnp.exp(s - lse), 0.0)
-    ds = p * (_matmul(do, v, ((1,), (1,))) - delta)
+    ds = p * (dp - delta)
     if softcap is not None:
         ds = ds * jnp.where(allowed, 1.0 - (s / softcap) ** 2, 0.0)
     return p, ds
@@ -273,7 +302,8 @@ def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, 
 
     def step(j, blocks, carry):
         k_j, v_j, k_ids_j, k_words_j = blocks
-        s = _group_scores(q_block, k_j[...], (q_ids, q_lower), (k_ids_j, k_words_j), info, i, j, softcap)
+        key_side = (_walked_vectors(k_ids_j), _walked_vectors(k_words_j))
+        s = _group_masked(_scores(q_block, k_j[...], softcap), (q_ids, q_lower), key_side, info, i, j)
         return _online(carry, s, v_j[...])
 
     _finish(_walk(first[i], i + 1, step, _empty_carry(*o.shape), (k, v, k_ids, k_words)), o, lse)
@@ -283,18 +313,38 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
                  softcap):
     """Set B forward for one query token block of one head."""
     i = pl.program_id(2)
-    q_block = q[...]
+    q_block, q_pos = q[...], _positions(i, block, own=True)
 
     def step(j, blocks, carry):
         k_j, v_j, k_segment_j, k_words_j = blocks
-        s = _band_scores(q_block, k_j[...], (q_segment, q_words), (k_segment_j, k_words_j), i, j, block, window,
-                         sink, n_tokens, softcap)
+        key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
+        s = _band_masked(_scores(q_block, k_j[...], softcap), (q_segment, q_words), key_side, q_pos,
+                         _positions(j, block, own=False), window, sink, n_tokens)
         return _online(carry, s, v_j[...])
 
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
     carry = _walk(0, sink_end, step, _empty_carry(*o.shape), walked)
     _finish(_walk(band_start, band_end + 1, step, carry, walked), o, lse)
+
+
+def _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc):
+    """The dq kernels' step for the walked key block (`masked(scores)` applies its mask): `acc + dS . k`."""
+    k_block = k_j[...]
+    s = masked(_scores(q_block, k_block, softcap))
+    _, ds = _grad_scores(s, lse_block, _matmul(do_block, v_j[...], ((1,), (1,))), delta_block, softcap)
+    return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
+
+
+def _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry):
+    """The dk / dv kernels' step for the walked query block: scores transposed, `[bk, bq]`, so that the queries'
+    ids and statistics are read as rows (`masked(scores)` applies the mask); returns (dk, dv) + this block's."""
+    q_block, do_block = q_i[...], do_i[...]
+    s = masked(_scores(k_block, q_block, softcap))
+    dp = _matmul(v_block, do_block, ((1,), (1,)))
+    p, ds = _grad_scores(s, lse_i[...], dp, delta_i[...], softcap)
+    return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((1,), (0,))),
+            carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((1,), (0,))))
 
 
 def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, softcap):
@@ -304,10 +354,9 @@ def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids
 
     def step(j, blocks, acc):
         k_j, v_j, k_ids_j, k_words_j = blocks
-        k_block = k_j[...]
-        s = _group_scores(q_block, k_block, (q_ids, q_lower), (k_ids_j, k_words_j), info, i, j, softcap)
-        _, ds = _grad_scores(s, lse_block, do_block, v_j[...], delta_block, softcap)
-        return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
+        key_side = (_walked_vectors(k_ids_j), _walked_vectors(k_words_j))
+        masked = lambda s: _group_masked(s, (q_ids, q_lower), key_side, info, i, j)
+        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc)
 
     dq[...] = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words)).astype(dq.dtype)
 
@@ -319,11 +368,9 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
 
     def step(i, blocks, carry):
         q_i, do_i, lse_i, delta_i, q_ids_i, q_lower_i = blocks
-        q_block, do_block = q_i[...], do_i[...]
-        s = _group_scores(q_block, k_block, (q_ids_i, q_lower_i), (k_ids, k_words), info, i, j, softcap)
-        p, ds = _grad_scores(s, _stat_column(lse_i[...]), do_block, v_block, _stat_column(delta_i[...]), softcap)
-        return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
-                carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
+        query_side = (_walked_vectors(q_ids_i), _walked_vectors(q_lower_i))
+        masked = lambda s: _group_masked(s, query_side, (k_ids, k_words), info, i, j)
+        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry)
 
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
     dk_block, dv_block = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower))
@@ -335,14 +382,14 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
     """Set B: dq of one query token block of one head."""
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
+    q_pos = _positions(i, block, own=True)
 
     def step(j, blocks, acc):
         k_j, v_j, k_segment_j, k_words_j = blocks
-        k_block = k_j[...]
-        s = _band_scores(q_block, k_block, (q_segment, q_words), (k_segment_j, k_words_j), i, j, block, window,
-                         sink, n_tokens, softcap)
-        _, ds = _grad_scores(s, lse_block, do_block, v_j[...], delta_block, softcap)
-        return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
+        key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
+        masked = lambda s: _band_masked(s, (q_segment, q_words), key_side, q_pos, _positions(j, block, own=False),
+                                        window, sink, n_tokens)
+        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc)
 
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
@@ -354,16 +401,14 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
                      sink, n_tokens, n_blocks, softcap):
     """Set B: dk, dv of one key token block from one query head."""
     j = pl.program_id(2)
-    k_block, v_block = k[...], v[...]
+    k_block, v_block, k_pos = k[...], v[...], _positions(j, block, own=True)
 
     def step(i, blocks, carry):
         q_i, do_i, lse_i, delta_i, q_segment_i, q_words_i = blocks
-        q_block, do_block = q_i[...], do_i[...]
-        s = _band_scores(q_block, k_block, (q_segment_i, q_words_i), (k_segment, k_words), i, j, block, window,
-                         sink, n_tokens, softcap)
-        p, ds = _grad_scores(s, _stat_column(lse_i[...]), do_block, v_block, _stat_column(delta_i[...]), softcap)
-        return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((0,), (0,))),
-                carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((0,), (0,))))
+        query_side = (_walked_vectors(q_segment_i), _walked_vectors(q_words_i))
+        masked = lambda s: _band_masked(s, query_side, (k_segment, k_words), _positions(i, block, own=False), k_pos,
+                                        window, sink, n_tokens)
+        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry)
 
     first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
@@ -500,7 +545,8 @@ def _spec(operand: _Operand, tpu: bool):
 
 def _call(body, inputs, outputs, grid, settings, name, walk_rows):
     """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) as `settings` say; the inputs without
-    a `block` reach it as `_Walked` with blocks of `walk_rows`. Returns the outputs."""
+    a `block` reach it as `_Walked` with blocks of `walk_rows`, a program's own block of ids as `_own_vectors`.
+    Returns the outputs."""
     backend = settings.backend
     tpu = backend in TPU_BACKENDS
     walked = [op.block is None and op.layout != "table" for op in inputs]
@@ -524,7 +570,9 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
         b, h = pl.program_id(0), pl.program_id(1)
         args = []
         for op, ref, w, r in zip(inputs, in_refs, walked, one_row):
-            if not w:
+            if op.layout in ("column", "row") and not w:
+                args.append(_own_vectors(ref, op.layout))
+            elif not w:
                 args.append(_OneRow(ref) if r else ref)
             elif not tpu:
                 args.append(_Walked(ref, op.layout, walk_rows))
@@ -629,28 +677,40 @@ def _per_kv_head(x, kv_heads):
 
 
 def _stat_operand(x, s: Settings, block=None):
-    """A per-row float32 statistic (log-sum-exp, delta) `x [B, H, R]` as a kernel operand: `[B, H, R, 1]`; on TPUs
-    the row `[B, H, 1, R]`, which their tiles do not pad 128 times. `x` may be a `jax.ShapeDtypeStruct` (an
-    output)."""
+    """A per-row float32 statistic (log-sum-exp, delta) `x [B, H, R]` as a kernel operand: the row `[B, H, 1, R]`
+    when walked (the dk / dv kernels read it as a row `[1, n]`) and on TPUs, whose tiles would pad a column 128
+    times; else (a program's own block on GPUs) the column `[B, H, R, 1]`. `x` may be a `jax.ShapeDtypeStruct`
+    (an output)."""
     b, h, rows = x.shape
-    tpu = s.backend in TPU_BACKENDS
-    shape = (b, h, 1, rows) if tpu else (b, h, rows, 1)
+    row = s.backend in TPU_BACKENDS or block is None
+    shape = (b, h, 1, rows) if row else (b, h, rows, 1)
     array = jax.ShapeDtypeStruct(shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x.reshape(shape)
-    return _Operand(array, "head_row" if tpu else "head", block)
+    return _Operand(array, "head_row" if row else "head", block)
+
+
+def _own_ids(x, s: Settings, block):
+    """Per-token ids `x [B, rows, C]` as the operand of a program's own block (`_own_vectors`): these columns on
+    GPUs; on TPUs the rows `[B, C, rows]`, since their (8, 128) tiles would pad C to 128."""
+    if s.backend in TPU_BACKENDS:
+        return _Operand(x.transpose(0, 2, 1), "row", block)
+    return _Operand(x, "column", block)
+
+
+def _walked_ids(x):
+    """Per-token ids `x [B, rows, C]` as a walked operand: the rows `[B, C, rows]` (`_walked_vectors`)."""
+    return _Operand(x.transpose(0, 2, 1), "row")
 
 
 def _group_ids(p: Plan):
-    """Set A's ids: query side (ids `[B, E, 4]` (token, group, segment, 0), lower `[B, E, W]`) and key side (ids
-    `[B, 4, E]`, words `[B, W, E]`)."""
+    """Set A's per-entry ids: `[B, E, 4]` (token, group, segment, 0), and the bitmasks `[B, E, W]` of the groups
+    below the entry's own that its token is in (query side) and of all its token's groups (key side)."""
     ids = jnp.stack([p.entry_token, p.entry_group, p.entry_segment, jnp.zeros_like(p.entry_token)], axis=-1)
-    return (ids, p.entry_lower), (ids.transpose(0, 2, 1), p.entry_words.transpose(0, 2, 1))
+    return ids, p.entry_lower, p.entry_words
 
 
 def _band_ids(p: Plan):
-    """Set B's ids: query side (segment `[B, Tp, 1]`, words `[B, Tp, W]`) and key side (`[B, 1, Tp]`,
-    `[B, W, Tp]`)."""
-    segment = p.token_segment[..., None]
-    return (segment, p.token_words), (segment.transpose(0, 2, 1), p.token_words.transpose(0, 2, 1))
+    """Set B's per-token ids: segment `[B, Tp, 1]` and group bitmask `[B, Tp, W]`, the same on both sides."""
+    return p.token_segment[..., None], p.token_words
 
 
 def _pad_rows(x, tp):
@@ -663,11 +723,11 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
     qa, ka, va = (_by_entry(x, p, s) for x in (q, k, v))
-    (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
+    ids, lower, words = _group_ids(p)
     inputs = [_Operand(p.first_key_block, "table"), _Operand(p.block_info, "table"),
-              _Operand(q_ids, "column", s.block), _Operand(q_lower, "column", s.block),
+              _own_ids(ids, s, s.block), _own_ids(lower, s, s.block),
               _activation(qa, s, s.block), _activation(ka, s, heads_per_kv=g), _activation(va, s, heads_per_kv=g),
-              _Operand(k_ids, "row"), _Operand(k_words, "row")]
+              _walked_ids(ids), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), s, s.block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
     kernel = functools.partial(_group_kernel, softcap=s.softcap)
@@ -684,10 +744,10 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
     qp, kp, vp = (_pad_rows(x, tp) for x in (q, k, v))
-    (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
-    inputs = [_Operand(q_segment, "column", s.band_block), _Operand(q_words, "column", s.band_block),
+    segment, words = _band_ids(p)
+    inputs = [_own_ids(segment, s, s.band_block), _own_ids(words, s, s.band_block),
               _activation(qp, s, s.band_block), _activation(kp, s, heads_per_kv=g),
-              _activation(vp, s, heads_per_kv=g), _Operand(k_segment, "row"), _Operand(k_words, "row")]
+              _activation(vp, s, heads_per_kv=g), _walked_ids(segment), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), s, s.band_block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
     kernel = functools.partial(_band_kernel, **_band_kwargs(s))
@@ -734,21 +794,20 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     g, block = h // hk, s.block
     qa, ka, va, doa = (_by_entry(x, p, s) for x in (q, k, v, do))
     lse_a, delta_a = (_by_entry(x, p, s).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
-    (q_ids, q_lower), (k_ids, k_words) = _group_ids(p)
+    ids, lower, words = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block)
-    query_blocks = [_Operand(x, "column", block) for x in (q_ids, q_lower)] + [
+    query_blocks = [_own_ids(x, s, block) for x in (ids, lower)] + [
         _activation(x, s, block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
                   [_Operand(p.first_key_block, "table"), info, *query_blocks, _activation(ka, s, heads_per_kv=g),
-                   _activation(va, s, heads_per_kv=g), _Operand(k_ids, "row"), _Operand(k_words, "row")],
+                   _activation(va, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)],
                   [gradient(d, q.dtype)], grid, s, "focus_group_dq", block)
     walked_queries = [_activation(x, s) for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
-        _Operand(x, "column") for x in (q_ids, q_lower)]
+        _walked_ids(x) for x in (ids, lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
-                    [_Operand(p.last_query_block, "table"), info, _Operand(k_ids, "row", block),
-                     _Operand(k_words, "row", block), _activation(ka, s, block, g), _activation(va, s, block, g),
-                     *walked_queries],
+                    [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
+                     _activation(ka, s, block, g), _activation(va, s, block, g), *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
     token_major = lambda x: _token_major(_row_major(x, s), p, s)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
@@ -761,20 +820,20 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     g = h // hk
     qp, kp, vp, dop = (_pad_rows(x, tp) for x in (q, k, v, do))
     lse_b, delta_b = (_pad_rows(x, tp).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, Tp]
-    (q_segment, q_words), (k_segment, k_words) = _band_ids(p)
+    ids = _band_ids(p)
     grid = (b, h, tp // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, tp, h, c), dtype), s, block)
-    query_blocks = [_Operand(x, "column", block) for x in (q_segment, q_words)] + [
-        _activation(x, s, block) for x in (qp, dop)] + [_stat_operand(x, s, block) for x in (lse_b, delta_b)]
+    own_ids = [_own_ids(x, s, block) for x in ids]
+    query_blocks = own_ids + [_activation(x, s, block) for x in (qp, dop)] + [
+        _stat_operand(x, s, block) for x in (lse_b, delta_b)]
     (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
                   [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
-                   _Operand(k_segment, "row"), _Operand(k_words, "row")],
+                   *(_walked_ids(x) for x in ids)],
                   [gradient(d, q.dtype)], grid, s, "focus_band_dq", block)
     walked_queries = [_activation(x, s) for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
-        _Operand(x, "column") for x in (q_segment, q_words)]
+        _walked_ids(x) for x in ids]
     dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
-                    [_Operand(k_segment, "row", block), _Operand(k_words, "row", block),
-                     _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
+                    [*own_ids, _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block)
     token_major = lambda x: _row_major(x, s)[:, :t].astype(jnp.float32)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)

@@ -193,6 +193,24 @@ def test_hlo_traffic_of_a_tpu_program():
     assert compile_only.hlo_traffic(TPU_HLO.replace("S(1)", "")) == (2 * mib, 5 * mib)  # all in HBM
 
 
+PADDED_HLO = """HloModule m
+
+ENTRY %main (p: s32[1024,4]) -> s32[1024,4] {
+%p = s32[1024,4]{1,0:T(8,128)} parameter(0)
+ROOT %fusion = s32[1024,4]{1,0:T(8,128)} fusion(%p), kind=kLoop, calls=%f
+}
+"""
+
+
+def test_hlo_traffic_counts_tpu_arrays_as_stored():
+    """A TPU layout's tile pads the most minor dimensions: an int32 `[1024, 4]` with dimension 1 minor takes 1024 x
+    128 words (32 times its data), with dimension 0 minor 8 x 1024; without a tile (GPUs) its data."""
+    words = lambda rows, columns: 2 * rows * columns * 4  # read once and written once
+    assert compile_only.hlo_traffic(PADDED_HLO) == (0, words(1024, 128))
+    assert compile_only.hlo_traffic(PADDED_HLO.replace("{1,0:", "{0,1:")) == (0, words(8, 1024))
+    assert compile_only.hlo_traffic(PADDED_HLO.replace(":T(8,128)", "")) == (0, words(1024, 4))
+
+
 @needs_cuda
 def test_xla_traffic_counts_operands_and_results_kernels_apart(h200):
     """One fusion reading and writing a float32 [1024, 1024] moves 8 MiB, no kernel; the fused Focus gradient at 4K

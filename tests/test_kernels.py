@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from focal_jax.attention import focus_sparse_attention, reference, topk_membership
-from focal_jax.bench import traced_equations
+from focal_jax.bench import _fused_grad, traced_equations, walked_step_bytes
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.nn.attention import Attention, AttentionConfig
 from helpers import assert_close, lowering_target, rand_qkv
@@ -202,20 +202,41 @@ def pallas_operands(jaxpr):
 
 
 @pytest.mark.parametrize("backend", ["mosaic", "interpret"])
-def test_per_row_statistics_are_rows_on_tpus(backend):
-    """The forward's log-sum-exp and the backward's delta, float32 per row, reach and leave the TPU kernels as rows
-    `[B, H, 1, rows]`: as columns `[B, H, rows, 1]` a TPU's (8, 128) tiles pad them 128 times (at 4K on a v5e the
-    kernels then needed 261 MiB instead of 113, `test_compile_only`). The GPU form keeps columns."""
-    q, k, v = rand_qkv(15, 1, 256, 2, 2, 16)
-    membership = random_membership(16, 1, 256, 4, 1)
+def test_per_token_ids_and_statistics_are_rows_on_tpus(backend):
+    """Every per-token operand of the TPU kernels, the int32 ids and the float32 statistics (log-sum-exp, delta), is
+    a row (`[B, C, rows]`, `[B, H, 1, rows]`): as a column `[.., rows, C]` a TPU's (8, 128) tiles pad its last
+    dimension to 128 (the statistics: at 4K on a v5e the kernels needed 261 MiB instead of 113; the ids: see
+    `test_tpu_walks_copy_little_tile_padding`). The GPU form reads its own block's as columns, the walked blocks'
+    as rows (the dk / dv kernels walk the queries, whose scores they compute transposed)."""
+    t = 256
+    q, k, v = rand_qkv(15, 1, t, 2, 2, 16)
+    membership = random_membership(16, 1, t, 4, 1)
     loss = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=8,
                                                           block_size=128, backend=backend))
     operands = pallas_operands(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    ids = [shape for shape, dtype in operands if dtype == jnp.int32 and len(shape) == 3 and max(shape) >= t]
     statistics = [shape for shape, dtype in operands if dtype == jnp.float32 and len(shape) == 4
                   and 1 in shape[2:]]
-    columns = [shape for shape in statistics if shape[3] == 1]
+    id_columns = [shape for shape in ids if shape[1] >= t]
+    statistic_columns = [shape for shape in statistics if shape[3] == 1]
+    assert len(ids) == 6 * 4  # 2 own and 2 walked in each of the 6 kernels
     assert len(statistics) == 2 + 4 * 2  # lse out of the 2 forward kernels; lse and delta into the 4 backward ones
-    assert (columns == []) if backend == "mosaic" else (columns == statistics), statistics
+    if backend == "mosaic":
+        assert id_columns == [] and statistic_columns == [], (ids, statistics)
+    else:  # own blocks: ids in all 6 kernels, lse out of the forward ones and into the dq ones, delta into those
+        assert len(id_columns) == 6 * 2 and len(statistic_columns) == 2 + 2 * 2, (ids, statistics)
+
+
+def test_tpu_walks_copy_little_tile_padding():
+    """What one step of a TPU kernel's walk copies into VMEM, as a TPU's tiles store it, is at most 1.25 times the
+    data (bf16, D = 128, blocks of 128). The dk / dv kernels walked the queries' ids as columns `[128, C]`, padded
+    to 128 lanes: 200 KiB per step for 67 KiB of data; now rows, 80 KiB."""
+    q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    membership = jax.ShapeDtypeStruct((1, 1024, 8), jnp.bool_)
+    steps = walked_step_bytes(_fused_grad("mosaic"), q, q, q, membership)
+    assert [name for name, _, _ in steps] == ["focus_group", "focus_band", "focus_group_dq", "focus_group_dkv",
+                                              "focus_band_dq", "focus_band_dkv"]
+    assert all(stored <= 1.25 * data for _, stored, data in steps), steps
 
 
 @pytest.mark.parametrize("max_groups", [1, 2])
