@@ -372,8 +372,7 @@ def walked_step_bytes(fn, *args) -> list[tuple[str, int, int]]:
             tile = rows_per_tile[size]
             stored += math.prod(outer) * -(-rows // tile) * tile * -(-lanes // 128) * 128 * size
             data += math.prod(slots.shape[1:]) * size
-        name = eqn.params.get("name") or eqn.params.get("name_and_src_info")  # the latter in older jax
-        result.append((str(name).split()[0], stored, data))
+        result.append((kernel.debug_info.func_name, stored, data))  # the `name` given to `pallas_call`
     return result
 
 
