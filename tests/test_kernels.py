@@ -55,8 +55,10 @@ CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head
 }
 
 
-TPU_CASES = ["top-2, segments, GQA, head_dim 64", "window 0, sink 3, softcap"]  # the TPU form is slower to
-# interpret: cases that cover its reads (GQA, multi-group ids, segments, sink walks, the band)
+# The TPU form is slower to interpret: cases that cover its reads (GQA, multi-group ids, segments, sink walks, the
+# band, ids of two bitmask words transposed in the kernel).
+TPU_CASES = ["top-2, segments, GQA, head_dim 64", "window 0, sink 3, softcap",
+             "more groups than tokens (two bitmask words), top-3"]
 
 
 @pytest.mark.parametrize("name,backend", [(name, GPU_FORM) for name in CASES]
