@@ -794,8 +794,8 @@ def _compile_for_tpus(args: argparse.Namespace) -> None:
     q, membership = _compile_inputs(args.seq_len)
     steps = walked_step_bytes(_fused_grad("mosaic"), q, q, q, membership)
     print("TPUs (Mosaic, default blocks of 128): what one step of each kernel's walk copies into VMEM (KiB)\n")
-    print(_inputs.markdown_table(["kernel", "as the (8, 128) tiles store it", "data"],
-                                 [[name, f"{stored / 1024:.1f}", f"{data / 1024:.1f}"] for name, stored, data in steps]))
+    rows = [[name, f"{stored / 1024:.1f}", f"{data / 1024:.1f}"] for name, stored, data in steps]
+    print(_inputs.markdown_table(["kernel", "as the (8, 128) tiles store it", "data"], rows))
     print()
     rows = []
     for topology in args.tpus:

@@ -162,14 +162,15 @@ def from_hf(directory, *, dtype=jnp.float32):
     if model_type not in LOADERS:
         raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")
     model = LOADERS[model_type](hf, _Tensors(read_safetensors(directory), directory), dtype)
-    abstract = [path for path, x in nnx.to_flat_state(nnx.state(model)) if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
+    abstract = [path for path, x in nnx.to_flat_state(nnx.state(model))
+                if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
     if abstract:
         raise ValueError(f"parameters not filled from the checkpoint: {abstract[:8]}")
     return model
 
 
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                     "olmo2": "Olmo2ForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def _hf_model_type(config: LlamaConfig):

@@ -10,7 +10,8 @@ def pack(token_docs: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
 
     Args:
       token_docs: one 1-D integer array per document, already encoded as `bos + tokens + eos` (`eos + tokens +
-        eos` for a tokenizer without bos; the data pipeline does this); each needs at least one token. Id 0 is the padding id.
+        eos` for a tokenizer without bos; the data pipeline does this); each needs at least one token. Id 0 is the
+        padding id.
       seq_len: tokens per row.
 
     Returns:

@@ -308,9 +308,9 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     """`python -m focal_jax.eval.perplexity --workdir DIR [--step S] [--batches N] [--topk all|1,2] [--seq-len N]
-    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas] [--out FILE.json]`: the perplexity
-    table of a trained run on its held-out data (soft and hard top-k rows for a Focus model); prints it and returns
-    the rows."""
+    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas] [--out FILE.json]`: the
+    perplexity table of a trained run on its held-out data (soft and hard top-k rows for a Focus model); prints it
+    and returns the rows."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.perplexity", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None,

@@ -597,14 +597,16 @@ def study_focus_scratch(ctx: Context) -> dict:
               for label, w in runs.items()}
     for label, rows in tables.items():
         log(f"focus_scratch: {label}: " + ", ".join(f"{r['form']}{r['k'] or ''} {r['perplexity']:.2f}" for r in rows))
-    pngs = {"curves": os.path.basename(plot_losses(list(runs.values()), os.path.join(ctx.out, "focus_scratch_curves.png"),
-                                                   labels=list(runs), title="From scratch: training loss"))}
+    curves = plot_losses(list(runs.values()), os.path.join(ctx.out, "focus_scratch_curves.png"), labels=list(runs),
+                         title="From scratch: training loss")
+    pngs = {"curves": os.path.basename(curves)}
     dense = tables["dense"][0]
     soft = {label: next(r for r in tables[label] if r["form"] == "soft") for label in ("focus", "focal+focus")}
     hard = {label: next(r for r in tables[label] if r["form"] == "hard") for label in ("focus", "focal+focus")}
     spread = noise["spread"]
     claims = [
-        claim("Focus trained from scratch matches or beats dense attention", "§6.3: 13.82 vs 13.89 PPL (7B, 2B tokens)",
+        claim("Focus trained from scratch matches or beats dense attention",
+              "§6.3: 13.82 vs 13.89 PPL (7B, 2B tokens)",
               f"ppl dense {dense['perplexity']:.2f}, Focus soft {soft['focus']['perplexity']:.2f}, top-2 "
               f"{hard['focus']['perplexity']:.2f}",
               "yes" if soft["focus"]["loss"] <= dense["loss"] + spread else "no"),

@@ -188,7 +188,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         log_every=merged["log_every"], eval_every=merged["eval_every"], eval_batches=merged["eval_batches"],
         ckpt_every=merged["ckpt_every"], keep_checkpoints=merged["keep_checkpoints"], mesh=mesh,
         compute_dtype=merged["compute_dtype"], param_dtype=merged["param_dtype"],
-        init_from=os.path.expanduser(init_from) if init_from else None, balance_weight=float(weight), family=family, model=model,
+        init_from=os.path.expanduser(init_from) if init_from else None, balance_weight=float(weight), family=family,
+        model=model,
         retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
         optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config)
 
