@@ -239,6 +239,10 @@ def test_tpu_walks_copy_little_tile_padding():
     assert [name for name, _, _ in steps] == ["focus_group", "focus_band", "focus_group_dq", "focus_group_dkv",
                                               "focus_band_dq", "focus_band_dkv"]
     assert all(stored <= 1.25 * data for _, stored, data in steps), steps
+    # By hand, focus_group_dkv's slots: q and dO bf16 [128, 128] (32 KiB each, no padding); lse and delta float32
+    # [1, 128], ids int32 [4, 128] and the lower-group bitmask int32 [1, 128], each stored as 8 x 128 words (4 KiB).
+    kib = 1024
+    assert steps[3][1:] == (2 * 32 * kib + 4 * 4 * kib, 2 * 32 * kib + 2 * 512 + 2 * kib + 512), steps[3]
 
 
 @pytest.mark.parametrize("max_groups", [1, 2])
