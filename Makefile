@@ -73,7 +73,7 @@ gpu-check:
 	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 2>&1 | tee $(GPU_LOGS)/kernel_16k.log
 	-timeout 100 $(PYTHON) -m focal_jax.bench kernel --lengths 32768 2>&1 | tee $(GPU_LOGS)/kernel_32k.log
 	-timeout 110 $(PYTHON) -m focal_jax.bench train --size 400M --repeats 3 2>&1 | tee $(GPU_LOGS)/train_400m.log
-	-timeout 50 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 128:8:1 128:8:2 2>&1 \
+	-timeout 50 $(PYTHON) -m focal_jax.bench kernel --lengths 16384 --launch 64:8:2 64:8:3 64:8:2:64 128:8:2 2>&1 \
 		| tee $(GPU_LOGS)/launch_16k.log
 	-timeout 30 $(PYTHON) -m focal_jax.bench kernel --lengths 4096 65536 2>&1 | tee $(GPU_LOGS)/kernel_4k_64k.log
 

@@ -7,7 +7,7 @@
     python -m focal_jax.bench train --size 400M --compile-for-h200     (no device: in .venv-compile, JAX_PLATFORMS=cpu)
     python -m focal_jax.bench kernel [--lengths 4096 16384 32768 65536] [--heads 16] [--head-dim 128] [--repeats 5]
     python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536] [--block-size 64]
-    python -m focal_jax.bench compile [--seq-len 16384] [--launch 64:8:2 128:8:1 ...] [--memory-lengths ...]
+    python -m focal_jax.bench compile [--seq-len 16384] [--launch 64:8:2 64:8:2:64 ...] [--memory-lengths ...]
                                       [--tpus v5e:2x2 ...]   (no device: in .venv-compile, JAX_PLATFORMS=cpu)
     python -m focal_jax.bench shard [--mesh 2 2 2] [--batch 8] [--seq-len 256] [--heads 8] [--kv-heads 4]
                                     (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
@@ -22,12 +22,12 @@ mesh context the kernel is opaque to the partitioner, which gathers its operands
 ``compile``: no timing and no device; the kernels compiled for an H200 from its description and for TPUs from their
 topology names (``focal_jax.kernels.compile_only``; needs jaxlib's CUDA plugin, ``ptxas`` and libtpu, as
 ``make compile-check`` installs in ``.venv-compile``): per Triton kernel of the fused Focus forward + backward (bf16,
-H = 16, D = 128, K = 8, w = 128, top-1), its grid, threads, shared memory, registers and register spills, for each
-``--launch`` (block : warps : stages) next to the library's default; then the temporary memory that XLA's buffer
-assignment gives the forward + backward on the H200 for the decomposed path and the fused kernel at each of
-``--memory-lengths`` (cuDNN's needs cuDNN, which that environment lacks), and on each of ``--tpus`` for the
-decomposed path and the Mosaic kernels; for the fused kernel also the bytes that XLA's own ops around it read and
-write (``compile_only.xla_traffic``). For the Mosaic kernels, first what one step of each one's walk copies into
+H = 16, D = 128, K = 8, w = 128, top-1), its grid, threads, shared memory, registers, register spills and
+tensor-core instructions, for each ``--launch`` (block : warps : stages, and optionally the band's tiles) next to
+the library's default; then the temporary memory that XLA's buffer assignment gives the forward + backward on the
+H200 for the decomposed path and the fused kernel at each of ``--memory-lengths`` (cuDNN's needs cuDNN, which that
+environment lacks), and on each of ``--tpus`` for the decomposed path and the Mosaic kernels; for the fused kernel
+also the bytes that XLA's own ops around it read and write (``compile_only.xla_traffic``). For the Mosaic kernels, first what one step of each one's walk copies into
 VMEM, as the TPU's tiles store it and as data (``walked_step_bytes``; traced, the same on every generation).
 
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
@@ -500,13 +500,23 @@ def _balanced_membership(seq_len: int, groups: int, seed: int):
     return jax.numpy.asarray(group[None, :, None] == np.arange(groups))
 
 
-def _launch(text: str) -> tuple[int, int, int]:
-    """'64:8:2' -> (block_size, num_warps, num_stages)."""
+def _launch(text: str) -> tuple[int, int, int, int | None]:
+    """'64:8:2' -> (block_size, num_warps, num_stages, None); '64:8:2:64' also sets the band's tiles
+    (band_block_size; default min(32, block))."""
     try:
-        block, warps, stages = (int(x) for x in text.split(":"))
+        numbers = [int(x) for x in text.split(":")]
+        if len(numbers) not in (3, 4):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS:STAGES such as 64:8:2, got {text!r}") from None
-    return block, warps, stages
+        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS:STAGES[:BAND] such as 64:8:2 or 64:8:2:64, got "
+                                         f"{text!r}") from None
+    return tuple(numbers) + (None,) * (4 - len(numbers))
+
+
+def _launch_label(launch) -> str:
+    """'64 : 8 : 2', with ' : band 64' when the launch sets the band's tiles."""
+    block, warps, stages, band = launch
+    return f"{block} : {warps} : {stages}" + ("" if band is None else f" : band {band}")
 
 
 def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -539,14 +549,15 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 q, k, v, membership, window=_inputs.WINDOW, impl="decomposed", max_groups=1), allowed),
         }
         for launch in args.launch or [None]:
-            block, warps, stages = launch or (None, None, None)
-            label = "" if launch is None else f" ({block}, {warps} warps, {stages} stages)"
+            block, warps, stages, band = launch or (None, None, None, None)
+            label = "" if launch is None else f" ({block}, {warps} warps, {stages} stages" + (
+                "" if band is None else f", band {band}") + ")"
             variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
                 dot_product_pallas(q, k, v, multiplier=scale / _inputs.FOCAL_T, block_size=b, num_warps=w,
                                    num_stages=s)), causal)
-            variants[f"Focus fused kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
+            variants[f"Focus fused kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages, bb=band: (
                 focus_sparse_pallas(q, k, v, membership, multiplier=scale, window=_inputs.WINDOW, block_size=b,
-                                    max_groups=1, num_warps=w, num_stages=s)), allowed)
+                                    band_block_size=bb, max_groups=1, num_warps=w, num_stages=s)), allowed)
         calls, names = [], []
         for name, (fn, pairs) in variants.items():
             calls += [(jax.jit(fn), (q, k, v)), (jax.jit(_sum_grad(fn)), (q, k, v))]
@@ -719,14 +730,14 @@ def _compile_inputs(seq_len: int):
             jax.ShapeDtypeStruct((1, seq_len, _inputs.N_GROUPS), jnp.bool_))
 
 
-def _fused_grad(backend: str, launch=(None, None, None), max_groups: int | None = 1):
-    """Gradients of the fused kernel's `sum(out)` (top-1 Focus, w = 128) through `backend` at `launch`."""
+def _fused_grad(backend: str, launch=(None, None, None, None), max_groups: int | None = 1):
+    """Gradients of the fused kernel's `sum(out)` (top-1 Focus, w = 128) through `backend` at `launch` (`_launch`)."""
     from focal_jax.kernels.focus_sparse import focus_sparse_pallas
 
-    block, warps, stages = launch
+    block, warps, stages, band = launch
     return _sum_grad(lambda q, k, v, m: focus_sparse_pallas(
         q, k, v, m, multiplier=COMPILE_DIM ** -0.5, window=_inputs.WINDOW, backend=backend, block_size=block,
-        max_groups=max_groups, num_warps=warps, num_stages=stages))
+        band_block_size=band, max_groups=max_groups, num_warps=warps, num_stages=stages))
 
 
 def _decomposed_grad():
@@ -753,24 +764,27 @@ def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
     from focal_jax.kernels import compile_only
     from focal_jax.kernels.focus_sparse import triton_launch
 
-    default = (64,) + triton_launch(jax.numpy.bfloat16)
+    default = (64,) + triton_launch(jax.numpy.bfloat16) + (None,)
     q, membership = _compile_inputs(args.seq_len)
     rows = []
     for launch in [default] + [x for x in (args.launch or []) if x != default]:
-        name = f"{launch[0]} : {launch[1]} : {launch[2]}" + (" (default)" if launch == default else "")
+        name = _launch_label(launch) + (" (default)" if launch == default else "")
         _log(f"H200: compiling T={args.seq_len}, launch {name} ...")
         try:
             kernels = compile_only.kernel_resources(_fused_grad("triton", launch), q, q, q, membership,
                                                     device=device)
         except Exception as error:  # XLA's own message, e.g. the shared memory a kernel asked for
-            rows.append([name, "does not compile", str(error).splitlines()[0][:120], "", "", "", ""])
+            rows.append([name, "does not compile", str(error).splitlines()[0][:120], "", "", "", "", ""])
             continue
         for r in kernels:
             rows.append([name, r.name, "x".join(map(str, r.grid)), str(r.threads), f"{r.shared_memory / 1024:.0f}",
-                         str(r.registers), f"{r.spill_stores} / {r.spill_loads}"])
+                         str(r.registers), f"{r.spill_stores} / {r.spill_loads}", r.matmul])
     print(f"H200 (Triton), T={args.seq_len:,}:\n")
     print(_inputs.markdown_table(["block : warps : stages", "kernel", "grid", "threads", "shared memory (KiB)",
-                                  "registers / thread", "spill stores / loads (bytes / thread)"], rows))
+                                  "registers / thread", "spill stores / loads (bytes / thread)", "tensor cores"],
+                                 rows))
+    print("\n'tensor cores': the MMA instructions in the kernel's PTX, Hopper's warpgroup `wgmma` (blocks of 64 rows "
+          "or more) or the warp-level `mma.sync`.")
     variants = {"Focus decomposed": _decomposed_grad(), "Focus fused kernel": _fused_grad("triton"),
                 "Focus fused kernel, max_groups=None (K * T entries)": _fused_grad("triton", max_groups=None)}
     rows = []
@@ -846,8 +860,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernel.add_argument("--head-dim", type=int, default=128)
     kernel.add_argument("--repeats", type=int, default=5)
     kernel.add_argument("--seed", type=int, default=0)
-    kernel.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES",
-                        help="Triton launches of the kernel rows to compare (default: the library's own)")
+    kernel.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES[:BAND]",
+                        help="Triton launches of the kernel rows to compare (default: the library's own); BAND: "
+                             "the band's tiles (default min(32, BLOCK))")
     kernel.set_defaults(run=run_kernel)
     plan = sub.add_parser("plan", help="visited block area of the kernels' plan vs allowed pairs (no timing)")
     plan.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
@@ -856,8 +871,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=run_plan)
     comp = sub.add_parser("compile", help="the kernels compiled for an H200 and TPUs without them (no timing)")
     comp.add_argument("--seq-len", type=int, default=16384)
-    comp.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES",
-                      help="Triton launches to compare with the default")
+    comp.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES[:BAND]",
+                      help="Triton launches to compare with the default; BAND: the band's tiles (default min(32, "
+                           "BLOCK))")
     comp.add_argument("--memory-lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536])
     comp.add_argument("--tpus", nargs="*", default=["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"],
                       help="TPU topologies to compile for (generation:shape)")

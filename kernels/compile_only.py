@@ -71,6 +71,9 @@ class KernelResources(NamedTuple):
     registers: int        # per thread
     spill_stores: int     # bytes per thread
     spill_loads: int      # bytes per thread
+    matmul: str           # the tensor-core instructions in its PTX: 'wgmma' (Hopper's warpgroup MMA, which
+                          # Triton emits for blocks of >= 64 rows on 4 warps or more), 'mma.sync' (the warp-level
+                          # MMA of Ampere), 'both' or 'none'
 
 
 def has_cuda_plugin() -> bool:
@@ -177,20 +180,31 @@ def _assembled(ptx_file: str) -> dict[str, tuple[int, int, int]]:
     return found
 
 
+def _matmul_instructions(ptx: str) -> dict[str, str]:
+    """Entry name -> the kind of tensor-core instructions in its PTX ('wgmma', 'mma.sync', 'both', 'none')."""
+    kinds = {}
+    for entry in re.split(r"(?=\.visible\s+\.entry\s)", ptx)[1:]:
+        name = re.search(r"\.entry\s+(\w+)", entry).group(1)
+        found = [kind for kind in ("wgmma", "mma.sync") if re.search(rf"\b{re.escape(kind)}\.", entry)]
+        kinds[name] = "both" if len(found) == 2 else found[0] if found else "none"
+    return kinds
+
+
 def kernel_resources(fn, *args, device, prefix: str = "focus_") -> list[KernelResources]:
     """Compiles `fn(*args)` for a GPU `device` (from `gpu_device`) and returns the launches of its kernels whose
     names start with `prefix` (the Pallas kernels of `focal_jax.kernels.focus_sparse`), in launch order."""
     with tempfile.TemporaryDirectory() as dump:
         compile_for(fn, *args, device=device, dump_to=dump)
         launches = {name: v for name, v in _launches(dump).items() if name.startswith(prefix)}
-        assembled = {}
+        assembled, matmuls = {}, {}
         for file in sorted(os.listdir(dump)):
             if file.endswith(".ptx"):
                 with open(os.path.join(dump, file)) as f:
-                    entries = set(re.findall(r"\.entry\s+(\w+)", f.read()))
-                if entries & set(launches):
+                    ptx = f.read()
+                if set(re.findall(r"\.entry\s+(\w+)", ptx)) & set(launches):
                     assembled.update(_assembled(os.path.join(dump, file)))
-    return [KernelResources(name, grid, threads, shared, *assembled[name])
+                    matmuls.update(_matmul_instructions(ptx))
+    return [KernelResources(name, grid, threads, shared, *assembled[name], matmuls[name])
             for name, (grid, threads, shared) in launches.items()]
 
 

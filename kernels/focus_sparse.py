@@ -20,7 +20,10 @@ anywhere, and no activation or gradient is scattered.
 
 Layouts: activations stay row-major `[B, rows, H, C]` on GPUs (a program's block `[rows, C]` is a strided slice,
 so no transposed copy exists) and are head-major `[B, H, rows, C]` on TPUs, whose blocks must tile or span their
-last two dimensions (`_activation`). Every mask is a broadcast of the program's own block's per-token ids, as
+last two dimensions (`_activation`). On GPUs set A's kernels read q, k, v and dO in token order and gather their
+entries' rows themselves (`_Rows`, `_entry_rows`), so no copy of them in entry order exists; the TPU kernels, which
+copy contiguous blocks by DMA, read copies gathered into entry order (for dense attention, whose entries are the
+tokens in order, both read contiguous blocks). Every mask is a broadcast of the program's own block's per-token ids, as
 columns `[block, 1]`, against the walked block's, as rows `[1, block]` (`_Vectors`): walked ids come as rows
 `[B, C, rows]`; own ids as columns `[B, rows, C]` on GPUs, and as rows transposed once inside the kernel on TPUs,
 whose (8, 128) tiles would pad a last dimension of C to 128. Likewise the per-row float32 statistics
@@ -449,6 +452,8 @@ class _Operand(NamedTuple):
                      # scalars)
     block: int | None = None  # the program's own block of rows (i); None: walked block by block in the kernel
     heads_per_kv: int = 1     # 'token' or 'head' with Hk heads: query head h reads head h // heads_per_kv
+    entries: str | None = None  # GPU, 'token' [B, T, H or Hk, C] in token order: set A's rows, gathered inside the
+                                # kernel by their entries' tokens, for the program's own block ('own') or walked
 
 
 class _Walked(NamedTuple):
@@ -459,12 +464,20 @@ class _Walked(NamedTuple):
     buffers: Any = None     # TPU: VMEM `[2, ...block]`, the two slots blocks are copied into
     semaphores: Any = None  # TPU: DMA semaphores `[2]`, one per slot
     index: tuple = ()       # TPU: the program's leading indices into the whole HBM array
+    tokens: Any = None      # GPU, set A's rows in token order: the walked ids `[C, E]` whose row TOKEN says which
 
     def window(self, j):
         start = pl.multiple_of(j * self.rows, self.rows)
         if self.layout in ROW_LAYOUTS:
             return slice(None), pl.ds(start, self.rows)
         return pl.ds(start, self.rows), slice(None)
+
+    def block(self, j):
+        """GPU: block j, a view of the whole array, or for set A's rows in token order the rows of its entries'
+        tokens."""
+        if self.tokens is None:
+            return _Block(self.ref, self.window(j))
+        return _Rows(self.ref, self.tokens[TOKEN, pl.ds(pl.multiple_of(j * self.rows, self.rows), self.rows)])
 
     def copy(self, j, slot):
         """TPU: the DMA of block j into buffer `slot`."""
@@ -485,6 +498,21 @@ class _Block:
         return self.ref[tuple(w if i == slice(None) else i for w, i in zip(self.window, index))]
 
 
+class _Rows:
+    """The rows `tokens [n]` of a whole token-order ref `[T, C]`, gathered inside the kernel (GPU): set A's entries
+    read straight from the activations in token order. A padding entry (token T) reads row T - 1, which its mask
+    (segment -1) keeps out of every result."""
+
+    def __init__(self, ref, tokens):
+        self.ref, self.tokens = ref, jnp.minimum(tokens, ref.shape[0] - 1)
+        self.shape = (tokens.shape[0],) + tuple(ref.shape[1:])
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise NotImplementedError("set A's gathered rows are read whole")
+        return self.ref[self.tokens, :]
+
+
 class _OneRow:
     """A table block `[1, n]` read as the `[n]` row it holds."""
 
@@ -499,8 +527,7 @@ def _walk(start, stop, step, carry, walked):
     """`carry = step(j, blocks, carry)` for j in `[start, stop)`, `blocks` the block-j refs of the `walked` operands.
     GPU: views of the whole arrays. TPU: double buffering, block j + 1's copies start before block j is used."""
     if walked[0].buffers is None:
-        return jax.lax.fori_loop(start, stop, lambda j, c: step(j, [_Block(w.ref, w.window(j)) for w in walked],
-                                                                 c), carry)
+        return jax.lax.fori_loop(start, stop, lambda j, c: step(j, [w.block(j) for w in walked], c), carry)
 
     @pl.when(start < stop)
     def _():
@@ -546,10 +573,14 @@ def _spec(operand: _Operand, tpu: bool):
 def _call(body, inputs, outputs, grid, settings, name, walk_rows):
     """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) as `settings` say; the inputs without
     a `block` reach it as `_Walked` with blocks of `walk_rows`, a program's own block of ids as `_own_vectors`.
-    Returns the outputs."""
+    Set A's rows in token order (`entries`, GPU) are gathered by the tokens of the first ids on their side: the
+    program's own block of the first 'column' input, or the walked block of the first walked 'row' input (set A's
+    ids, `_group_ids`). Returns the outputs."""
     backend = settings.backend
     tpu = backend in TPU_BACKENDS
-    walked = [op.block is None and op.layout != "table" for op in inputs]
+    walked = [op.block is None and op.layout != "table" and op.entries != "own" for op in inputs]
+    if tpu and any(op.entries for op in inputs):
+        raise ValueError("the TPU kernels copy blocks by DMA: set A's rows must come gathered into entry order")
     # Mosaic wants a block's last two dimensions tiled by (8, 128) or spanning the array: a per-row table [B, n]
     # (whose block is one row) travels as [B, 1, n], and the kernel reads it through `_OneRow`.
     one_row = [tpu and op.layout == "table" and op.array.ndim == 2 for op in inputs]
@@ -568,14 +599,19 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
         n_walked = len(scratch_refs) // 2
         buffers, semaphores = iter(scratch_refs[:n_walked]), iter(scratch_refs[n_walked:])
         b, h = pl.program_id(0), pl.program_id(1)
+        first_ids = lambda layout, side: next(ref for op, ref, w in zip(inputs, in_refs, walked)
+                                              if op.layout == layout and w == side)
         args = []
         for op, ref, w, r in zip(inputs, in_refs, walked, one_row):
-            if op.layout in ("column", "row") and not w:
+            if op.entries == "own":
+                args.append(_Rows(ref, first_ids("column", False)[:, TOKEN]))
+            elif op.layout in ("column", "row") and not w:
                 args.append(_own_vectors(ref, op.layout))
             elif not w:
                 args.append(_OneRow(ref) if r else ref)
             elif not tpu:
-                args.append(_Walked(ref, op.layout, walk_rows))
+                tokens = first_ids("row", True) if op.entries == "walked" else None
+                args.append(_Walked(ref, op.layout, walk_rows, tokens=tokens))
             else:
                 index = (b, _div(h, op.heads_per_kv)) if op.layout.startswith("head") else (b,)
                 args.append(_Walked(ref, op.layout, walk_rows, next(buffers), next(semaphores), index))
@@ -665,6 +701,17 @@ def _activation(x, s: Settings, block=None, heads_per_kv=1):
     return _Operand(x.transpose(0, 2, 1, 3), "head", block, heads_per_kv)
 
 
+def _entry_rows(x, p: Plan, s: Settings, block=None, heads_per_kv=1):
+    """Set A's rows of an activation `x [B, T, H, C]` as a kernel operand, a program's own block (`block`) or
+    walked: on GPUs `x` itself, whose rows the kernel gathers by its entries' tokens (`_Rows`: no copy in entry
+    order exists, with `max_groups` entries per token as without); on TPUs, whose kernels copy contiguous blocks
+    by DMA, a copy gathered into entry order (`_by_entry`), head-major. Entries in token order (dense attention)
+    are read as contiguous blocks of `x` padded to E rows, as FlashAttention reads them."""
+    if s.backend in TPU_BACKENDS or s.in_order:
+        return _activation(_by_entry(x, p, s), s, block, heads_per_kv)
+    return _Operand(x, "token", None, heads_per_kv, "own" if block else "walked")
+
+
 def _row_major(x, s: Settings):
     """A kernel's activation output (`_activation`'s layout) as `[B, rows, H, C]`."""
     return x.transpose(0, 2, 1, 3) if s.backend in TPU_BACKENDS else x
@@ -722,11 +769,10 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
     """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
-    qa, ka, va = (_by_entry(x, p, s) for x in (q, k, v))
     ids, lower, words = _group_ids(p)
     inputs = [_Operand(p.first_key_block, "table"), _Operand(p.block_info, "table"),
-              _own_ids(ids, s, s.block), _own_ids(lower, s, s.block),
-              _activation(qa, s, s.block), _activation(ka, s, heads_per_kv=g), _activation(va, s, heads_per_kv=g),
+              _own_ids(ids, s, s.block), _own_ids(lower, s, s.block), _entry_rows(q, p, s, s.block),
+              _entry_rows(k, p, s, heads_per_kv=g), _entry_rows(v, p, s, heads_per_kv=g),
               _walked_ids(ids), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), s, s.block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
@@ -792,22 +838,21 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     b, _, h, d = q.shape
     hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
     g, block = h // hk, s.block
-    qa, ka, va, doa = (_by_entry(x, p, s) for x in (q, k, v, do))
     lse_a, delta_a = (_by_entry(x, p, s).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
     ids, lower, words = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block)
     query_blocks = [_own_ids(x, s, block) for x in (ids, lower)] + [
-        _activation(x, s, block) for x in (qa, doa)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
+        _entry_rows(x, p, s, block) for x in (q, do)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
-                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _activation(ka, s, heads_per_kv=g),
-                   _activation(va, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)],
+                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _entry_rows(k, p, s, heads_per_kv=g),
+                   _entry_rows(v, p, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)],
                   [gradient(d, q.dtype)], grid, s, "focus_group_dq", block)
-    walked_queries = [_activation(x, s) for x in (qa, doa)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
+    walked_queries = [_entry_rows(x, p, s) for x in (q, do)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _walked_ids(x) for x in (ids, lower)]
     dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
                     [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
-                     _activation(ka, s, block, g), _activation(va, s, block, g), *walked_queries],
+                     _entry_rows(k, p, s, block, g), _entry_rows(v, p, s, block, g), *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
     token_major = lambda x: _token_major(_row_major(x, s), p, s)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
@@ -841,12 +886,6 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
 
 def _attention_bwd(settings, residuals, d_out):
     q, k, v, p, out, lse = residuals
-    if settings.backend not in TPU_BACKENDS:
-        # XLA would otherwise merge the backward's gathers into (group, position) order with the forward's
-        # identical ones and keep those copies alive from one to the other (3 `[B, T, H, D]` per layer of a
-        # model): the barrier makes the backward gather anew. On TPUs it saved memory per layer too but raised a
-        # lone layer's peak (BENCHMARKS.md), so there the copies are kept.
-        q, k, v = jax.lax.optimization_barrier((q, k, v))
     do = d_out.astype(v.dtype)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)

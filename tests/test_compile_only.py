@@ -71,13 +71,16 @@ def dense_step(backend, window):
                                             (jnp.float32, 128)])
 def test_focus_kernels_compile_for_the_h200(h200, dtype, head_dim):
     """Every kernel of the forward and backward pass reaches machine code at the default launch, within the
-    H200's shared memory; 16-bit inputs without a register spill."""
+    H200's shared memory; 16-bit inputs without a register spill. Set A's kernels (blocks of 64 entries) multiply
+    with Hopper's warpgroup MMA (`wgmma`); the band's (tiles of 32 tokens, below wgmma's 64 rows) with the
+    warp-level `mma.sync`."""
     kernels = compile_only.kernel_resources(fused_step("triton"), *shapes(dtype, head_dim), device=h200)
     assert {r.name for r in kernels} == FUSED
     warps = ks.triton_launch(dtype)[0]
     for r in kernels:
         assert r.threads == 32 * warps and 0 < r.registers <= 255, r
         assert r.shared_memory <= compile_only.H200_SHARED_MEMORY_PER_BLOCK, r
+        assert r.matmul == ("wgmma" if r.name.startswith("focus_group") else "mma.sync"), r
         if dtype == jnp.bfloat16:
             assert r.spill_stores == 0, r
 
@@ -90,6 +93,7 @@ def test_dense_and_local_through_the_kernels_compile_for_the_h200(h200, window):
         "focus_band", "focus_band_dq", "focus_band_dkv"}
     assert {r.name for r in kernels} == expected
     assert all(r.spill_stores == 0 for r in kernels), kernels
+    assert all(r.matmul == ("wgmma" if window is None else "mma.sync") for r in kernels), kernels
 
 
 @needs_cuda
@@ -151,9 +155,10 @@ def test_the_fused_kernel_needs_no_more_memory_than_the_decomposed_path(backend,
 def test_a_layer_keeps_no_gathered_copies_until_its_backward(h200):
     """Stacked layers of the fused kernels (q = k = v = the previous layer's output, bf16 `[1, 4K, 8, 128]`,
     compiled for an H200): what each layer holds from its forward to its backward grows the temporary memory by
-    about 4 such arrays per layer (its residuals: the scaled q, the output, ...). It grew by 6: XLA merged the
-    backward's gathers into (group, position) order with the forward's identical ones and kept the forward's
-    copies alive until the backward (96 MiB per layer of a 400M model at T = 16K)."""
+    about 4 such arrays per layer (its residuals: the scaled q, the output, ...; 4.09 now). It grew by 6 when the
+    kernels read copies of q, k, v gathered into (group, position) order and XLA merged the backward's gathers with
+    the forward's, keeping the forward's copies alive until the backward (96 MiB per layer of a 400M model at T =
+    16K); since 0.6.5 the GPU kernels gather those rows themselves and no such copy exists."""
     x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
     membership = jax.ShapeDtypeStruct((1, 4096, GROUPS), jnp.bool_)
 
@@ -181,6 +186,27 @@ ENTRY %main (p: bf16[1024,512]) -> bf16[1024,512] {
 ROOT %fusion = bf16[1024,512]{1,0:T(8,128)(2,1)} fusion(%jvp_focus_band_.1, %p), kind=kLoop, calls=%f
 }
 """
+
+
+def test_matmul_instructions_are_read_per_kernel():
+    ptx = """.version 8.4
+.target sm_90a
+.visible .entry focus_group(
+{
+	wgmma.fence.sync.aligned;
+	wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;
+}
+.visible .entry focus_band(
+{
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+}
+.visible .entry focus_plan(
+{
+	ld.global.b32 %r1, [%rd1];
+}
+"""
+    assert compile_only._matmul_instructions(ptx) == {"focus_group": "wgmma", "focus_band": "mma.sync",
+                                                      "focus_plan": "none"}
 
 
 def test_hlo_traffic_of_a_tpu_program():
@@ -310,3 +336,4 @@ def test_bench_compile_reports_both(capsys):
     assert out.count("| 64 : 8 : 2 (default)") == 6 and out.count("| 128 : 4 : 2") == 6  # six kernels each
     assert "| 256 | Focus fused kernel " in out and "| v5e:2x2 | 256 " in out
     assert "does not compile" not in out
+    assert re.search(r"\| wgmma +\|", out) and re.search(r"\| mma\.sync +\|", out), out

@@ -285,11 +285,37 @@ def test_gpu_kernels_take_activations_row_major(backend):
         assert transposed and all(shape[1] in (1, 2) for shape in activations), (transposed, activations)
 
 
+@pytest.mark.parametrize("backend,max_groups", [("interpret", 1), ("interpret", None), ("mosaic", 1)])
+def test_gpu_kernels_gather_the_rows_of_set_a_themselves(backend, max_groups):
+    """The GPU form's set-A kernels read q, k, v and dO in token order `[B, T, H, D]` and gather their entries' rows
+    inside the kernel: no activation is gathered into entry order outside it (such copies were 0.94 of the 1.83 GB
+    that XLA's own ops read and wrote in a forward + backward at 16K compiled for an H200, and with
+    `max_groups=None` each is K times larger). The TPU form, whose kernels copy contiguous blocks by DMA, reads
+    copies gathered into entry order (the positive control). T = 200 is not a multiple of the blocks, so the
+    entries (E = 256 or 4 x 200 rows) are not the tokens."""
+    t, d = 200, 16
+    q, k, v = rand_qkv(23, 1, t, 2, 1, d)
+    membership = random_membership(24, 1, t, 4, 2)
+    loss = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=8,
+                                                          block_size=128 if backend == "mosaic" else 64,
+                                                          backend=backend, max_groups=max_groups))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    of_activations = [eqn.outvars[0].aval.shape for eqn, _ in traced_equations(jaxpr) if eqn.primitive.name == "gather"
+                      and eqn.invars[0].aval.ndim == 4 and eqn.invars[0].aval.shape[1] == t]
+    kernel_rows = {shape[1] for shape, _ in pallas_operands(jaxpr) if len(shape) == 4 and shape[-1] == d}
+    if backend == "interpret":
+        assert of_activations == [], of_activations
+        assert t in kernel_rows, kernel_rows
+    else:
+        assert of_activations, of_activations
+
+
 @pytest.mark.parametrize("dense", [True, False])
 def test_dense_attention_through_the_kernels_gathers_nothing(dense):
     """With every token in the one group (`dot_product_pallas`, no window) set A's entries are the tokens in order:
-    the activations reach the kernels padded, not gathered, and come back sliced (at 16K compiled for an H200 the
-    ops around the kernels read and wrote 0.95 GB with the gathers, 0.41 without). Focus (the control) gathers."""
+    nothing is gathered, and the outputs come back sliced (at 16K compiled for an H200 the ops around the kernels
+    read and wrote 0.95 GB with gathers, 0.41 without). Focus (the control) gathers its outputs back to token
+    order."""
     d = 16
     q, k, v = rand_qkv(21, 1, 200, 2, 1, d)
     membership = random_membership(22, 1, 200, 4, 1)

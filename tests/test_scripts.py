@@ -57,13 +57,14 @@ def test_bench_kernel_prints_every_variant(capsys):
 
 def test_bench_kernel_compares_triton_launches(capsys):
     assert bench.main(["kernel", "--lengths", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1",
-                       "--launch", "32:4:1", "64:8:2"]) == 0
+                       "--launch", "32:4:1", "64:8:2", "32:4:1:16"]) == 0
     out = capsys.readouterr().out
-    for launch in ("(32, 4 warps, 1 stages)", "(64, 8 warps, 2 stages)"):
-        assert out.count(f"| Focus fused kernel {launch}") == 2, launch
-        assert out.count(f"| focal t=0.4 through the kernel {launch}") == 2, launch
-    with pytest.raises(SystemExit):
-        bench.main(["kernel", "--launch", "64:8"])
+    for launch in ("(32, 4 warps, 1 stages)", "(64, 8 warps, 2 stages)", "(32, 4 warps, 1 stages, band 16)"):
+        assert out.count(f"| Focus fused kernel {launch} ") == 2, launch
+        assert out.count(f"| focal t=0.4 through the kernel {launch} ") == 2, launch
+    for bad in ("64:8", "64:8:2:32:1"):
+        with pytest.raises(SystemExit):
+            bench.main(["kernel", "--launch", bad])
 
 
 def test_bench_compile_says_what_it_skips(capsys):
