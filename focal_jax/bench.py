@@ -27,8 +27,9 @@ tensor-core instructions, for each ``--launch`` (block : warps : stages, and opt
 the library's default; then the temporary memory that XLA's buffer assignment gives the forward + backward on the
 H200 for the decomposed path and the fused kernel at each of ``--memory-lengths`` (cuDNN's needs cuDNN, which that
 environment lacks), and on each of ``--tpus`` for the decomposed path and the Mosaic kernels; for the fused kernel
-also the bytes that XLA's own ops around it read and write (``compile_only.xla_traffic``). For the Mosaic kernels, first what one step of each one's walk copies into
-VMEM, as the TPU's tiles store it and as data (``walked_step_bytes``; traced, the same on every generation).
+also the bytes that XLA's own ops around it read and write (``compile_only.xla_traffic``). For the Mosaic
+kernels, first what one step of each one's walk copies into VMEM, as the TPU's tiles store it and as data
+(``walked_step_bytes``; traced, the same on every generation).
 
 ``plan``: no timing; the work the kernels' block plan schedules (`kernels/focus_sparse.plan`), counted: visited
 block area over the allowed pairs for K = 8 balanced random top-1 groups, w = 128 (set A entry blocks of

@@ -15,18 +15,20 @@ one group, one segment, strictly earlier, no multi-group query) skips the elemen
 (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel per query block and a dk / dv
 kernel per key block (walking the query blocks that visit it, its scores transposed, `[keys, queries]`), each
 accumulating in float32 and writing its block in the inputs' dtype; a token's parts (its entries, gathered by
-`Plan.token_entries`, set B, the query heads that share a kv head) are summed in float32. No `[T, T]` array exists
-anywhere, and no activation or gradient is scattered.
+`Plan.token_entries`, set B, the query heads that share a kv head) are summed in float32. On GPUs with one entry
+per token (`max_groups=1`) set A's dq / dk / dv kernels store each entry's row at its token instead, and set B's
+add their own to those rows in place (`_in_token_order`). No `[T, T]` array exists anywhere, and nothing is
+scatter-added.
 
 Layouts: activations stay row-major `[B, rows, H, C]` on GPUs (a program's block `[rows, C]` is a strided slice,
 so no transposed copy exists) and are head-major `[B, H, rows, C]` on TPUs, whose blocks must tile or span their
 last two dimensions (`_activation`). On GPUs set A's kernels read q, k, v and dO in token order and gather their
 entries' rows themselves (`_Rows`, `_entry_rows`), so no copy of them in entry order exists; the TPU kernels, which
 copy contiguous blocks by DMA, read copies gathered into entry order (for dense attention, whose entries are the
-tokens in order, both read contiguous blocks). Every mask is a broadcast of the program's own block's per-token ids, as
-columns `[block, 1]`, against the walked block's, as rows `[1, block]` (`_Vectors`): walked ids come as rows
-`[B, C, rows]`; own ids as columns `[B, rows, C]` on GPUs, and as rows transposed once inside the kernel on TPUs,
-whose (8, 128) tiles would pad a last dimension of C to 128. Likewise the per-row float32 statistics
+tokens in order, both read contiguous blocks). Every mask is a broadcast of the program's own block's per-token
+ids, as columns `[block, 1]`, against the walked block's, as rows `[1, block]` (`_Vectors`): walked ids come as
+rows `[B, C, rows]`; own ids as columns `[B, rows, C]` on GPUs, and as rows transposed once inside the kernel on
+TPUs, whose (8, 128) tiles would pad a last dimension of C to 128. Likewise the per-row float32 statistics
 (log-sum-exp, the backward's delta) are rows `[B, H, 1, rows]` where walked and on TPUs (turned into columns inside
 the kernels, `_stat_column`), columns `[B, H, rows, 1]` for a GPU program's own block.
 
@@ -331,6 +333,18 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
     _finish(_walk(band_start, band_end + 1, step, carry, walked), o, lse)
 
 
+def _after_set_a(kernel, n, has_entry, *refs, **settings):
+    """Runs a set-B backward `kernel` on `refs[n:]` with `set_a=(has_entry, *refs[:n])`: set A's gradients of its
+    program's own tokens, in token order, read where `has_entry` (`_own_vectors`, a column [n, 1]: the token has a
+    set-A entry), which the kernel adds to its own before writing them."""
+    return kernel(*refs[n:], set_a=(has_entry, *refs[:n]), **settings)
+
+
+def _plus(acc, has_entry, part):
+    """`acc [n, C]` (float32) plus set A's part for the same tokens (`part [n, C]`, read where `has_entry`)."""
+    return acc + jnp.where(has_entry[0] != 0, part[...].astype(jnp.float32), 0.0)
+
+
 def _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc):
     """The dq kernels' step for the walked key block (`masked(scores)` applies its mask): `acc + dS . k`."""
     k_block = k_j[...]
@@ -381,8 +395,8 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
 
 
 def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
-                    n_tokens, softcap):
-    """Set B: dq of one query token block of one head."""
+                    n_tokens, softcap, set_a=()):
+    """Set B: dq of one query token block of one head; with `set_a` (`_after_set_a`) plus set A's."""
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
     q_pos = _positions(i, block, own=True)
@@ -397,12 +411,13 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
     acc = _walk(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32), walked)
-    dq[...] = _walk(band_start, band_end + 1, step, acc, walked).astype(dq.dtype)
+    acc = _walk(band_start, band_end + 1, step, acc, walked)
+    dq[...] = (_plus(acc, *set_a) if set_a else acc).astype(dq.dtype)
 
 
 def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
-                     sink, n_tokens, n_blocks, softcap):
-    """Set B: dk, dv of one key token block from one query head."""
+                     sink, n_tokens, n_blocks, softcap, set_a=()):
+    """Set B: dk, dv of one key token block from one query head; with `set_a` (`_after_set_a`) plus set A's."""
     j = pl.program_id(2)
     k_block, v_block, k_pos = k[...], v[...], _positions(j, block, own=True)
 
@@ -416,6 +431,9 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
     first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
     dk_block, dv_block = _walk(first, last + 1, step, zeros, (q, do, lse, delta, q_segment, q_words))
+    if set_a:
+        has_entry, dk_a, dv_a = set_a
+        dk_block, dv_block = _plus(dk_block, has_entry, dk_a), _plus(dv_block, has_entry, dv_a)
     dk[...], dv[...] = dk_block.astype(dk.dtype), dv_block.astype(dv.dtype)
 
 
@@ -477,7 +495,8 @@ class _Walked(NamedTuple):
         tokens."""
         if self.tokens is None:
             return _Block(self.ref, self.window(j))
-        return _Rows(self.ref, self.tokens[TOKEN, pl.ds(pl.multiple_of(j * self.rows, self.rows), self.rows)])
+        tokens = self.tokens[TOKEN, pl.ds(pl.multiple_of(j * self.rows, self.rows), self.rows)]
+        return _Rows(self.ref, lambda: tokens, self.rows)
 
     def copy(self, j, slot):
         """TPU: the DMA of block j into buffer `slot`."""
@@ -499,18 +518,26 @@ class _Block:
 
 
 class _Rows:
-    """The rows `tokens [n]` of a whole token-order ref `[T, C]`, gathered inside the kernel (GPU): set A's entries
-    read straight from the activations in token order. A padding entry (token T) reads row T - 1, which its mask
-    (segment -1) keeps out of every result."""
+    """The rows `tokens [n]` of a whole token-order ref `[R, C]` (R >= T), gathered or scattered inside the kernel
+    (GPU): set A's entries read straight from the activations in token order (a padding entry, token T, reads row
+    R - 1, which its mask, segment -1, keeps out of every result), or their results written in token order (a
+    store masked to rows < R: when R = T padding entries write nothing). `read_tokens()` reads the tokens when
+    the rows are, so that they take no registers before (an output's are written after the walk)."""
 
-    def __init__(self, ref, tokens):
-        self.ref, self.tokens = ref, jnp.minimum(tokens, ref.shape[0] - 1)
-        self.shape = (tokens.shape[0],) + tuple(ref.shape[1:])
+    def __init__(self, ref, read_tokens, n):
+        self.ref, self.read_tokens = ref, read_tokens
+        self.shape, self.dtype = (n,) + tuple(ref.shape[1:]), ref.dtype
 
     def __getitem__(self, index):
         if index is not Ellipsis:
             raise NotImplementedError("set A's gathered rows are read whole")
-        return self.ref[self.tokens, :]
+        return self.ref[jnp.minimum(self.read_tokens(), self.ref.shape[0] - 1), :]
+
+    def __setitem__(self, index, value):
+        if index is not Ellipsis:
+            raise NotImplementedError("set A's scattered rows are written whole")
+        rows, columns = self.read_tokens()[:, None], jnp.arange(self.shape[1])[None, :]
+        plt.store(self.ref.at[rows, columns], value, mask=rows < self.ref.shape[0])
 
 
 class _OneRow:
@@ -570,16 +597,18 @@ def _spec(operand: _Operand, tpu: bool):
     return pl.BlockSpec((None, shape[1], block or shape[2]), lambda b, h, i: (b, 0, row(i)))
 
 
-def _call(body, inputs, outputs, grid, settings, name, walk_rows):
+def _call(body, inputs, outputs, grid, settings, name, walk_rows, aliases=None):
     """Runs `body(*inputs, *outputs)` on `grid` (batch, query head, block) as `settings` say; the inputs without
     a `block` reach it as `_Walked` with blocks of `walk_rows`, a program's own block of ids as `_own_vectors`.
     Set A's rows in token order (`entries`, GPU) are gathered by the tokens of the first ids on their side: the
     program's own block of the first 'column' input, or the walked block of the first walked 'row' input (set A's
-    ids, `_group_ids`). Returns the outputs."""
+    ids, `_group_ids`); so are the rows of outputs with `entries` (scattered to token order). `aliases`: {input
+    index: output index} of inputs that the kernel overwrites (`pl.pallas_call`'s `input_output_aliases`). Returns
+    the outputs."""
     backend = settings.backend
     tpu = backend in TPU_BACKENDS
     walked = [op.block is None and op.layout != "table" and op.entries != "own" for op in inputs]
-    if tpu and any(op.entries for op in inputs):
+    if tpu and any(op.entries for op in inputs + outputs):
         raise ValueError("the TPU kernels copy blocks by DMA: set A's rows must come gathered into entry order")
     # Mosaic wants a block's last two dimensions tiled by (8, 128) or spanning the array: a per-row table [B, n]
     # (whose block is one row) travels as [B, 1, n], and the kernel reads it through `_OneRow`.
@@ -601,10 +630,14 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
         b, h = pl.program_id(0), pl.program_id(1)
         first_ids = lambda layout, side: next(ref for op, ref, w in zip(inputs, in_refs, walked)
                                               if op.layout == layout and w == side)
+
+        def own_rows(ref):
+            ids = first_ids("column", False)
+            return _Rows(ref, lambda: ids[:, TOKEN], ids.shape[0])
         args = []
         for op, ref, w, r in zip(inputs, in_refs, walked, one_row):
             if op.entries == "own":
-                args.append(_Rows(ref, first_ids("column", False)[:, TOKEN]))
+                args.append(own_rows(ref))
             elif op.layout in ("column", "row") and not w:
                 args.append(_own_vectors(ref, op.layout))
             elif not w:
@@ -615,7 +648,9 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
             else:
                 index = (b, _div(h, op.heads_per_kv)) if op.layout.startswith("head") else (b,)
                 args.append(_Walked(ref, op.layout, walk_rows, next(buffers), next(semaphores), index))
-        body(*args, *out_refs)
+        outs = [own_rows(ref) if op.entries == "own" else ref
+                for op, ref in zip(outputs, out_refs)]
+        body(*args, *outs)
 
     if backend == "triton":
         params = plt.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
@@ -628,7 +663,8 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows):
                  "mosaic_interpret": pltpu.InterpretParams(dma_execution_mode="eager")}.get(backend, False)
     return pl.pallas_call(kernel, grid=grid, in_specs=[_spec(op, tpu) for op in inputs],
                           out_specs=[_spec(op, tpu) for op in outputs], out_shape=[op.array for op in outputs],
-                          scratch_shapes=scratch, interpret=interpret, name=name, compiler_params=params)(
+                          scratch_shapes=scratch, interpret=interpret, name=name, compiler_params=params,
+                          input_output_aliases=aliases or {})(
         *(op.array for op in inputs))
 
 
@@ -765,6 +801,8 @@ def _pad_rows(x, tp):
     return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
+
+
 def _group_forward(q, k, v, p: Plan, s: Settings):
     """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
@@ -801,6 +839,8 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     return _row_major(out, s), lse.reshape(b, h, tp)
 
 
+
+
 def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
     """Per token: log-sum-exp merge of its entries' set-A results (`[B, E, H, Dv]`, `[B, H, E]`) and its set-B
     result (`[B, Tp, H, Dv]`, `[B, H, Tp]`) -> out `[B, T, H, Dv]` (float32) and lse `[B, T, H]`."""
@@ -833,15 +873,39 @@ def _attention(q, k, v, p: Plan, settings: Settings):
     return _attention_fwd(q, k, v, p, settings)[0]
 
 
-def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
-    """Set A's dq, dk, dv in token space (float32)."""
+def _in_token_order(p: Plan, s: Settings) -> bool:
+    """Whether set A's backward kernels write their gradients in token order and set B's add them to theirs (GPUs,
+    one entry per token, both sets): no return to token order or sum of the two outside the kernels. Else set A's
+    gradients are per entry. (The forward keeps set A's results per entry: scattering them cost its kernel the
+    registers of a second program per SM, `BENCHMARKS.md`.)"""
+    return s.backend not in TPU_BACKENDS and p.token_entries.shape[-1] == 1 and s.groups and s.band
+
+
+def _with_set_a(inputs, kernel, p: Plan, s: Settings, set_a):
+    """A set-B backward call's inputs, kernel and aliases, given set A's gradients in token order (`set_a`:
+    `_Operand`s of `_group_backward`'s, or none: unchanged): the tokens' has-an-entry flags and those arrays come
+    first, each written over by the kernel's output of the same place (`_after_set_a`)."""
+    if not set_a:
+        return inputs, kernel, None
+    has_entry = _pad_rows((p.token_entries[..., :1] < p.entry_token.shape[1]).astype(jnp.int32),
+                          p.token_segment.shape[1])
+    results = [op._replace(block=s.band_block) for op in set_a]
+    return ([_own_ids(has_entry, s, s.band_block), *results, *inputs],
+            functools.partial(_after_set_a, kernel, len(set_a)), {1 + i: i for i in range(len(set_a))})
+
+
+def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, token_order=False):
+    """Set A's dq, dk, dv in token space (float32); with `token_order` (`_in_token_order`) the kernels' own, `[B,
+    Tp, H, C]` per query head, whose rows they scatter by their entries' tokens (those of tokens in no group, and
+    of padding past T, left unwritten)."""
     b, _, h, d = q.shape
-    hk, dv, e = k.shape[2], v.shape[-1], p.entry_token.shape[1]
+    hk, dv, e, tp = k.shape[2], v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
     g, block = h // hk, s.block
     lse_a, delta_a = (_by_entry(x, p, s).transpose(0, 2, 1) for x in (lse, delta))  # [B, H, E]
     ids, lower, words = _group_ids(p)
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
-    gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block)
+    gradient = lambda c, dtype: (_Operand(jax.ShapeDtypeStruct((b, tp, h, c), dtype), "token", entries="own")
+                                 if token_order else _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block))
     query_blocks = [_own_ids(x, s, block) for x in (ids, lower)] + [
         _entry_rows(x, p, s, block) for x in (q, do)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
@@ -854,12 +918,14 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
                     [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
                      _entry_rows(k, p, s, block, g), _entry_rows(v, p, s, block, g), *walked_queries],
                     [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
+    if token_order:
+        return dq, dk, dvv
     token_major = lambda x: _token_major(_row_major(x, s), p, s)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
 
-def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
-    """Set B's dq, dk, dv (float32)."""
+def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, set_a=()):
+    """Set B's dq, dk, dv (float32); with `set_a` (set A's, `_group_backward`'s in token order) their sums."""
     b, t, h, d = q.shape
     hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
     g = h // hk
@@ -869,17 +935,20 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings):
     grid = (b, h, tp // block)
     gradient = lambda c, dtype: _activation(jax.ShapeDtypeStruct((b, tp, h, c), dtype), s, block)
     own_ids = [_own_ids(x, s, block) for x in ids]
+    set_a_dq, set_a_dkv = ([_Operand(x, "token") for x in parts] for parts in (set_a[:1], set_a[1:]))
     query_blocks = own_ids + [_activation(x, s, block) for x in (qp, dop)] + [
         _stat_operand(x, s, block) for x in (lse_b, delta_b)]
-    (dq,) = _call(functools.partial(_band_dq_kernel, **_band_kwargs(s)),
-                  [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
-                   *(_walked_ids(x) for x in ids)],
-                  [gradient(d, q.dtype)], grid, s, "focus_band_dq", block)
+    inputs, kernel, aliases = _with_set_a(
+        [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
+         *(_walked_ids(x) for x in ids)], functools.partial(_band_dq_kernel, **_band_kwargs(s)), p, s, set_a_dq)
+    (dq,) = _call(kernel, inputs, [gradient(d, q.dtype)], grid, s, "focus_band_dq", block, aliases)
     walked_queries = [_activation(x, s) for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
         _walked_ids(x) for x in ids]
-    dk, dvv = _call(functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
-                    [*own_ids, _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
-                    [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block)
+    inputs, kernel, aliases = _with_set_a(
+        [*own_ids, _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
+        functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)), p, s, set_a_dkv)
+    dk, dvv = _call(kernel, inputs, [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block,
+                    aliases)
     token_major = lambda x: _row_major(x, s)[:, :t].astype(jnp.float32)
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
 
@@ -890,9 +959,12 @@ def _attention_bwd(settings, residuals, d_out):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     grads = []
-    if settings.groups:
+    if _in_token_order(p, settings):
+        set_a = _group_backward(q, k, v, p, do, lse, delta, settings, token_order=True)
+        grads.append(_band_backward(q, k, v, p, do, lse, delta, settings, set_a))
+    if settings.groups and not grads:
         grads.append(_group_backward(q, k, v, p, do, lse, delta, settings))
-    if settings.band:
+    if settings.band and not _in_token_order(p, settings):
         grads.append(_band_backward(q, k, v, p, do, lse, delta, settings))
     dq, dk, dv = (sum(parts) for parts in zip(*grads))
     zero_plan = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), p)
