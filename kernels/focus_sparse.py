@@ -482,7 +482,7 @@ class _Walked(NamedTuple):
     buffers: Any = None     # TPU: VMEM `[2, ...block]`, the two slots blocks are copied into
     semaphores: Any = None  # TPU: DMA semaphores `[2]`, one per slot
     index: tuple = ()       # TPU: the program's leading indices into the whole HBM array
-    tokens: Any = None      # GPU, set A's rows in token order: the walked ids `[C, E]` whose row TOKEN says which
+    tokens: Any = None      # GPU, set A's rows in token order: the walked ids `[C, E]`, row TOKEN their tokens
 
     def window(self, j):
         start = pl.multiple_of(j * self.rows, self.rows)
@@ -521,8 +521,9 @@ class _Rows:
     """The rows `tokens [n]` of a whole token-order ref `[R, C]` (R >= T), gathered or scattered inside the kernel
     (GPU): set A's entries read straight from the activations in token order (a padding entry, token T, reads row
     R - 1, which its mask, segment -1, keeps out of every result), or their results written in token order (a
-    store masked to rows < R: when R = T padding entries write nothing). `read_tokens()` reads the tokens when
-    the rows are, so that they take no registers before (an output's are written after the walk)."""
+    store masked to rows < R: when R = T padding entries write nothing). `read_tokens()` gives the tokens when
+    the rows are read or written: a program's own are loaded only then, so that an output's take no registers
+    during the walk."""
 
     def __init__(self, ref, read_tokens, n):
         self.ref, self.read_tokens = ref, read_tokens
@@ -634,6 +635,7 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows, aliases=None):
         def own_rows(ref):
             ids = first_ids("column", False)
             return _Rows(ref, lambda: ids[:, TOKEN], ids.shape[0])
+
         args = []
         for op, ref, w, r in zip(inputs, in_refs, walked, one_row):
             if op.entries == "own":
@@ -648,9 +650,7 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows, aliases=None):
             else:
                 index = (b, _div(h, op.heads_per_kv)) if op.layout.startswith("head") else (b,)
                 args.append(_Walked(ref, op.layout, walk_rows, next(buffers), next(semaphores), index))
-        outs = [own_rows(ref) if op.entries == "own" else ref
-                for op, ref in zip(outputs, out_refs)]
-        body(*args, *outs)
+        body(*args, *(own_rows(ref) if op.entries == "own" else ref for op, ref in zip(outputs, out_refs)))
 
     if backend == "triton":
         params = plt.CompilerParams(num_warps=settings.num_warps, num_stages=settings.num_stages)
@@ -801,8 +801,6 @@ def _pad_rows(x, tp):
     return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-
-
 def _group_forward(q, k, v, p: Plan, s: Settings):
     """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
     b, _, h, _ = q.shape
@@ -837,8 +835,6 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
     kernel = functools.partial(_band_kernel, **_band_kwargs(s))
     out, lse = _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
     return _row_major(out, s), lse.reshape(b, h, tp)
-
-
 
 
 def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
@@ -958,14 +954,12 @@ def _attention_bwd(settings, residuals, d_out):
     do = d_out.astype(v.dtype)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    grads = []
     if _in_token_order(p, settings):
         set_a = _group_backward(q, k, v, p, do, lse, delta, settings, token_order=True)
-        grads.append(_band_backward(q, k, v, p, do, lse, delta, settings, set_a))
-    if settings.groups and not grads:
-        grads.append(_group_backward(q, k, v, p, do, lse, delta, settings))
-    if settings.band and not _in_token_order(p, settings):
-        grads.append(_band_backward(q, k, v, p, do, lse, delta, settings))
+        grads = [_band_backward(q, k, v, p, do, lse, delta, settings, set_a)]
+    else:
+        grads = ([_group_backward(q, k, v, p, do, lse, delta, settings)] if settings.groups else []) + (
+            [_band_backward(q, k, v, p, do, lse, delta, settings)] if settings.band else [])
     dq, dk, dv = (sum(parts) for parts in zip(*grads))
     zero_plan = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), p)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_plan
