@@ -553,9 +553,10 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
             block, warps, stages, band = launch or (None, None, None, None)
             label = "" if launch is None else f" ({block}, {warps} warps, {stages} stages" + (
                 "" if band is None else f", band {band}") + ")"
-            variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
-                dot_product_pallas(q, k, v, multiplier=scale / _inputs.FOCAL_T, block_size=b, num_warps=w,
-                                   num_stages=s)), causal)
+            if band is None:  # dense attention has no band
+                variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
+                    dot_product_pallas(q, k, v, multiplier=scale / _inputs.FOCAL_T, block_size=b, num_warps=w,
+                                       num_stages=s)), causal)
             variants[f"Focus fused kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages, bb=band: (
                 focus_sparse_pallas(q, k, v, membership, multiplier=scale, window=_inputs.WINDOW, block_size=b,
                                     band_block_size=bb, max_groups=1, num_warps=w, num_stages=s)), allowed)

@@ -112,7 +112,7 @@ def test_top1_with_tokens_in_no_group(backend):
     expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=6, segment_ids=segment_ids)
     kernel = lambda q, k, v: ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.25, window=6,
                                                     segment_ids=segment_ids, max_groups=1, backend=backend,
-                                                    **({"block_size": 16, "band_block_size": 8}
+                                                    **({"block_size": 16, "band_block_size": 16}
                                                        if backend == GPU_FORM else {}))
     assert_close(kernel(q, k, v), expected(q, k, v), atol=1e-5, what=f"top-1, tokens in no group ({backend})")
     assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
