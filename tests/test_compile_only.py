@@ -43,11 +43,12 @@ def shapes(dtype, head_dim):
             jax.ShapeDtypeStruct((2, T, HEADS), jnp.float32))
 
 
-def fused_step(backend, **options):
-    """Forward + backward of hard Focus (top-2) through the kernels, in q, k, v and the per-query multiplier."""
+def fused_step(backend, max_groups=2, **options):
+    """Forward + backward of hard Focus (top-2, or top-1 with `max_groups=1`) through the kernels, in q, k, v and
+    the per-query multiplier."""
     def loss(q, k, v, membership, segment_ids, multiplier):
         out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=48,
-                                     segment_ids=segment_ids, backend=backend, max_groups=2, **options)
+                                     segment_ids=segment_ids, backend=backend, max_groups=max_groups, **options)
         return jnp.sum(out.astype(jnp.float32))
 
     return jax.grad(loss, argnums=(0, 1, 2, 5))
@@ -67,14 +68,16 @@ def dense_step(backend, window):
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype,head_dim", [(jnp.bfloat16, 128), (jnp.bfloat16, 64), (jnp.float32, 64),
-                                            (jnp.float32, 128)])
-def test_focus_kernels_compile_for_the_h200(h200, dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,max_groups", [(jnp.bfloat16, 128, 2), (jnp.bfloat16, 64, 2),
+                                                       (jnp.float32, 64, 2), (jnp.float32, 128, 2),
+                                                       (jnp.bfloat16, 128, 1), (jnp.float32, 128, 1)])
+def test_focus_kernels_compile_for_the_h200(h200, dtype, head_dim, max_groups):
     """Every kernel of the forward and backward pass reaches machine code at the default launch, within the
     H200's shared memory; 16-bit inputs without a register spill. Set A's kernels (blocks of 64 entries) multiply
     with Hopper's warpgroup MMA (`wgmma`); the band's (tiles of 32 tokens, below wgmma's 64 rows) with the
-    warp-level `mma.sync`."""
-    kernels = compile_only.kernel_resources(fused_step("triton"), *shapes(dtype, head_dim), device=h200)
+    warp-level `mma.sync`. With one entry per token the backward kernels store set A's gradients at their tokens
+    and add set B's in place."""
+    kernels = compile_only.kernel_resources(fused_step("triton", max_groups), *shapes(dtype, head_dim), device=h200)
     assert {r.name for r in kernels} == FUSED
     warps = ks.triton_launch(dtype)[0]
     for r in kernels:
