@@ -101,9 +101,9 @@ def test_arbitrary_membership_and_empty_groups():
 
 @pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
 def test_top1_with_tokens_in_no_group(backend):
-    """One entry slot per token (`max_groups=1`), where the GPU form's set-A kernels write their results in token
-    order and set B's add them: tokens in no group (whose set-A rows nothing writes), segments, GQA, a length that
-    fills no tile."""
+    """One entry slot per token (`max_groups=1`), where the GPU form's set-A backward kernels write their gradients
+    in token order and set B's add theirs: tokens in no group (whose set-A rows nothing writes), segments, GQA, a
+    length that fills no tile."""
     t = 45
     q, k, v = rand_qkv(25, 2, t, 4, 2, 16)
     membership = random_membership(26, 2, t, 3, 1) & jax.random.bernoulli(jax.random.key(27), 0.7, (2, t, 1))
