@@ -27,8 +27,8 @@ def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
     """Gradients of sum(sin(out)) w.r.t. every argument agree to `atol` relative to the largest reference value
     (at least 1)."""
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))))
-    expected = jax.grad(loss(reference_fn), argnums=tuple(range(len(args))))(*args)
-    got = jax.grad(loss(kernel_fn), argnums=tuple(range(len(args))))(*args)
+    expected = jax.jit(jax.grad(loss(reference_fn), argnums=tuple(range(len(args)))))(*args)
+    got = jax.jit(jax.grad(loss(kernel_fn), argnums=tuple(range(len(args)))))(*args)
     for name, e, g in zip("qkvt", expected, got):
         scale = max(1.0, float(jnp.max(jnp.abs(e))))
         assert_close(g, e, atol=atol * scale, what=f"{what} d{name}")
@@ -82,7 +82,8 @@ def test_focus_kernel_matches_reference(name, backend):
                                       band_block_size=band_block, backend=backend, max_groups=k)
 
     what = f"{name} ({backend})"
-    assert_close(kernel(q, key, v, temperature), expected(q, key, v, temperature), atol=1e-5, what=what)
+    assert_close(jax.jit(kernel)(q, key, v, temperature), jax.jit(expected)(q, key, v, temperature), atol=1e-5,
+                 what=what)
     assert_grads_close(expected, kernel, (q, key, v, temperature), 1e-5, what)
 
 
@@ -95,7 +96,7 @@ def test_arbitrary_membership_and_empty_groups():
     assert not bool(jnp.all(jnp.any(membership, axis=-1)))  # some tokens belong to no group
     expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=4)
     kernel = lambda q, k, v: focus_sparse_attention(q, k, v, membership, window=4, impl="pallas", block_size=16)
-    assert_close(kernel(q, k, v), expected(q, k, v), atol=1e-5, what="arbitrary membership")
+    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5, what="arbitrary membership")
     assert_grads_close(expected, kernel, (q, k, v), 1e-5, "arbitrary membership")
 
 
@@ -114,7 +115,8 @@ def test_top1_with_tokens_in_no_group(backend):
                                                     segment_ids=segment_ids, max_groups=1, backend=backend,
                                                     **({"block_size": 16, "band_block_size": 16}
                                                        if backend == GPU_FORM else {}))
-    assert_close(kernel(q, k, v), expected(q, k, v), atol=1e-5, what=f"top-1, tokens in no group ({backend})")
+    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5,
+                 what=f"top-1, tokens in no group ({backend})")
     assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
 
 
@@ -126,9 +128,9 @@ def test_bf16_inputs_accumulate_in_float32():
     kernel = lambda q, k, v: ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.25, window=8, block_size=16,
                                                     band_block_size=16)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    out = kernel(*bf16)
+    out = jax.jit(kernel)(*bf16)
     assert out.dtype == jnp.bfloat16
-    assert_close(out, expected(q, k, v), atol=2e-2, what="bf16 forward")
+    assert_close(out, jax.jit(expected)(q, k, v), atol=2e-2, what="bf16 forward")
     assert_grads_close(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
 
 
@@ -149,9 +151,11 @@ def test_dense_and_focal_through_the_kernel(window, backend):
     kernel = lambda q, k, v: ks.dot_product_pallas(q, k, v, multiplier=0.25 / 0.4, window=window,
                                                    segment_ids=segment_ids, block_size=16,
                                                    band_block_size=16 if backend == "triton" else 8, backend=backend)
-    expected = reference.attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
-    assert_close(kernel(q, k, v), outside(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
-    assert_close(kernel(q, k, v), expected, atol=1e-5, what=f"window={window} vs reference")
+    expected = jax.jit(lambda q, k, v: reference.attention(q, k, v, temperature=0.4, window=window,
+                                                           segment_ids=segment_ids))(q, k, v)
+    got = jax.jit(kernel)(q, k, v)
+    assert_close(got, jax.jit(outside)(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
+    assert_close(got, expected, atol=1e-5, what=f"window={window} vs reference")
     assert_grads_close(outside, kernel, (q, k, v), 1e-5, f"window={window}")
 
 
@@ -181,9 +185,10 @@ def test_model_impl_pallas_equals_xla():
                         ("focus", {"focus_topk": 1, "focus_groups": 4, "focus_window": 5}),
                         ("focal+focus", {"focus_topk": 2, "focus_groups": 4, "focus_window": 5})):
         layer = Attention(AttentionConfig(**shape, kind=kind, **extra), rngs=nnx.Rngs(0))
-        expected = layer(x, positions=positions)
+        forward = nnx.jit(lambda layer, x: layer(x, positions=positions))
+        expected = forward(layer, x)
         layer.config = AttentionConfig(**shape, kind=kind, impl="pallas", **extra)
-        assert_close(layer(x, positions=positions), expected, atol=1e-5, what=kind)
+        assert_close(forward(layer, x), expected, atol=1e-5, what=kind)
 
 
 # ------------------------------------------------------------------------------------------------ lowering
