@@ -484,18 +484,21 @@ class _Walked(NamedTuple):
     index: tuple = ()       # TPU: the program's leading indices into the whole HBM array
     tokens: Any = None      # GPU, set A's rows in token order: the walked ids `[C, E]`, row TOKEN their tokens
 
+    def span(self, j):
+        """Block j's rows (its columns in the row layout)."""
+        return pl.ds(pl.multiple_of(j * self.rows, self.rows), self.rows)
+
     def window(self, j):
-        start = pl.multiple_of(j * self.rows, self.rows)
         if self.layout in ROW_LAYOUTS:
-            return slice(None), pl.ds(start, self.rows)
-        return pl.ds(start, self.rows), slice(None)
+            return slice(None), self.span(j)
+        return self.span(j), slice(None)
 
     def block(self, j):
         """GPU: block j, a view of the whole array, or for set A's rows in token order the rows of its entries'
-        tokens."""
+        tokens. (Walked q and dO load the same token row: Triton's compiler keeps one load, as their PTX shows.)"""
         if self.tokens is None:
             return _Block(self.ref, self.window(j))
-        tokens = self.tokens[TOKEN, pl.ds(pl.multiple_of(j * self.rows, self.rows), self.rows)]
+        tokens = self.tokens[TOKEN, self.span(j)]
         return _Rows(self.ref, lambda: tokens, self.rows)
 
     def copy(self, j, slot):
