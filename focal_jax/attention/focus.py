@@ -35,8 +35,8 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
     Example:
       >>> import jax.numpy as jnp
       >>> scores = routing_scores(jnp.ones((1, 3, 8)), jnp.ones((8, 2)), jnp.array([[1., 1.], [1., -1.]]))
-      >>> scores.shape, jnp.round(scores[0, 0], 4).tolist()
-      ((1, 3, 2), [10.0, -0.0])
+      >>> scores.shape, [s + 0.0 for s in jnp.round(scores[0, 0], 4).tolist()]  # + 0.0: zero's sign varies
+      ((1, 3, 2), [10.0, 0.0])
     """
     if h.ndim != 3:
         raise ValueError(f"h must have shape [batch, seq, d_model], got shape {h.shape}")
