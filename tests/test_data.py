@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from focal_jax.data import (DataConfig, Tokenizer, build_data, builtin_corpus, cached_tokenizer, load_tokenizer,
                             make_examples, pack, read_documents, score, train_iterator, train_tokenizer)
-from focal_jax.data import tokenizer as tokenizer_module
+from focal_jax.data import corpus, tokenizer as tokenizer_module
 from focal_jax.data.synthetic import Example
 
 VOCAB = 320
@@ -265,6 +265,33 @@ def test_builtin_corpus_and_its_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer_module, "train_tokenizer", lambda *a: pytest.fail("retrained although cached"))
     assert cached_tokenizer(docs, 2000, str(tmp_path)).path == tok.path
     assert os.stat(tok.path).st_mtime_ns == mtime
+
+
+def test_builtin_corpus_is_stored_and_read_back(tmp_path, monkeypatch):
+    """The first build is stored in the cache directory; a later process reads it back without parsing the stdlib;
+    a damaged copy is rebuilt; an unwritable cache directory still gives the corpus; a changed file changes the key."""
+    cache = str(tmp_path / "cache")
+    build = corpus.builtin_corpus.__wrapped__  # without the in-process cache: as a new process
+    built = build(cache)
+    [stored] = (tmp_path / "cache").glob("builtin_corpus_*.json")
+    with monkeypatch.context() as patched:
+        patched.setattr(corpus, "_module_docstrings", lambda path: pytest.fail(f"parsed {path} again"))
+        assert build(cache) == built
+    stored.write_text('["cut sh')
+    assert build(cache) == built and json.loads(stored.read_text()) == built
+
+    def unwritable(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    stored.unlink()
+    monkeypatch.setattr(corpus, "write_atomically", unwritable)
+    assert build(cache) == built and not stored.exists()
+
+    source = tmp_path / "module.py"
+    source.write_text('"""One."""\n')
+    key = corpus._files_key([source])
+    source.write_text('"""Two!"""\n')
+    assert corpus._files_key([source]) != key
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ class DataConfig:
         ending in `.json`; its special ids from the tokenizer_config.json / config.json next to it, see
         `focal_jax.data.tokenizer`); None trains a SentencePiece model on the training documents (cached).
       vocab_size: vocabulary size of a trained tokenizer (unused when `tokenizer` is given).
-      cache_dir: where trained tokenizers are cached; None means ~/.cache/focal_jax.
+      cache_dir: where trained tokenizers (and the parsed builtin corpus) are cached; None means ~/.cache/focal_jax.
       seq_len: tokens per packed row.
       eval_fraction: share of documents held out for evaluation, chosen by a hash of each document's text
         (unused when `eval_paths` is set).

@@ -9,28 +9,61 @@ Documents, in a deterministic order:
    docstrings) and `pydoc_data/` (already part 1).
 
 About 2 MB in all; the exact text depends on the CPython version (a tokenizer cache keyed on the documents notices).
+Parsing the stdlib takes about 10 s, so the first build is stored in the cache directory (`data.cache_dir`, default
+~/.cache/focal_jax, next to the tokenizers) and read back (under 0.2 s) by every later process with the same Python
+and the same stdlib files.
 """
 
 import ast
 import functools
+import hashlib
+import json
+import os
 import pathlib
+import sys
 import sysconfig
 import warnings
 
+from focal_jax.data.tokenizer import DEFAULT_CACHE_DIR, write_atomically
+
 _SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__", "encodings", "pydoc_data"})
+_FORMAT = 1  # part of the stored copy's key: bump it when the documents' extraction below changes
 
 
 @functools.cache
-def builtin_corpus() -> list[str]:
+def builtin_corpus(cache_dir: str | None = None) -> list[str]:
     """The builtin corpus -> list of documents (str), pydoc topics first, then one document per stdlib module.
 
-    Cached in-process; treat the list as read-only.
+    Cached in-process; treat the list as read-only. Read from its stored copy in `cache_dir` (default
+    ~/.cache/focal_jax) when one matches this Python and its stdlib files (names, sizes, modification times), else
+    built and stored there (where the directory is writable).
 
     >>> docs = builtin_corpus()
     >>> sum(map(len, docs)) > 1_000_000
     True
     """
-    return _pydoc_topics() + [doc for path in _stdlib_files() if (doc := _module_docstrings(path))]
+    files = _stdlib_files()
+    stored = pathlib.Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"builtin_corpus_{_files_key(files)}.json"
+    try:
+        return json.loads(stored.read_bytes())
+    except (OSError, ValueError):  # none yet, or damaged: rebuilt
+        pass
+    docs = _pydoc_topics() + [doc for path in files if (doc := _module_docstrings(path))]
+    try:
+        write_atomically(stored, json.dumps(docs).encode())
+    except OSError:
+        pass  # a read-only cache directory: every process builds its own
+    return docs
+
+
+def _files_key(files: list[pathlib.Path]) -> str:
+    """24 hex digits of sha256 over the format, the Python version and every source file's path, size and mtime."""
+    from pydoc_data import topics
+    h = hashlib.sha256(repr((_FORMAT, sys.version)).encode())
+    for path in [pathlib.Path(topics.__file__), *files]:
+        stat = path.stat()
+        h.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:24]
 
 
 def _pydoc_topics() -> list[str]:
@@ -40,7 +73,10 @@ def _pydoc_topics() -> list[str]:
 
 def _stdlib_files() -> list[pathlib.Path]:
     root = pathlib.Path(sysconfig.get_path("stdlib"))
-    files = (p for p in root.rglob("*.py") if not _SKIPPED_DIRS.intersection(p.relative_to(root).parts[:-1]))
+    files = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in _SKIPPED_DIRS]  # not walked into
+        files += [pathlib.Path(directory, name) for name in names if name.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

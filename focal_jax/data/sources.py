@@ -30,7 +30,7 @@ def read_documents(config: DataConfig, paths: tuple[str, ...] | None = None) -> 
     """
     paths = config.paths if paths is None else paths
     if config.source == "builtin":
-        docs = list(builtin_corpus())
+        docs = list(builtin_corpus(config.cache_dir))
     elif config.source == "synthetic":
         examples = make_examples(config.task, config.n_synthetic, seed=SYNTHETIC_SEED, **dict(config.task_kwargs))
         docs = [ex.prompt + ex.answer for ex in examples]
