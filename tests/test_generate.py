@@ -14,18 +14,12 @@ from focal_jax.nn.generate import generate, init_cache, sample_logits
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 
-
-@pytest.fixture(autouse=True, scope="module")
-def optimized_cpu_code():
-    """XLA's optimized CPU code, even where `make test` asks for less (JAX_DISABLE_MOST_OPTIMIZATIONS). The hard
-    causal routing of the tiny Focus model has near-ties (top-two group scores 1e-5 to 1e-4 apart), so greedy
-    generation through the cache picks the full forward's argmax only where both round alike: with the LLVM passes
-    off, a flipped group moved the full forward's own logits by up to 2.2 and the generated tokens differed."""
-    previous = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
-
+# The hard causal routing of the tiny Focus model has near-ties (top-two group scores 1e-5 to 1e-4 apart), so greedy
+# generation through the cache picks the full forward's argmax only where both round alike: with XLA's CPU passes off
+# (`make test`), a flipped group moved the full forward's own logits by up to 2.2 and the generated tokens differed.
+# Module-wide, not for that test alone: jax reuses an executable compiled earlier in the process, whatever the
+# setting is now.
+pytestmark = pytest.mark.usefixtures("optimized_cpu_code")
 
 VOCAB, B, T, PREFILL = 61, 2, 14, 5
 FOCUS = dict(kind="focus", focus_topk=1, focus_causal=True, focus_window=2, focus_groups=4, focus_dim=8)

@@ -32,7 +32,8 @@ def test_cudnn_matches_xla(kind, window, segmented, t):
     def forward_and_gradient(impl):
         layer.config = AttentionConfig(**shape, kind=kind, window=window, impl=impl)
         forward = lambda x: layer(x, positions=positions, segment_ids=segment_ids)
-        return forward(x), jax.grad(lambda x: jnp.sum(forward(x).astype(jnp.float32) ** 2))(x)
+        loss = lambda x: jnp.sum(forward(x).astype(jnp.float32) ** 2)
+        return jax.jit(lambda x: (forward(x), jax.grad(loss)(x)))(x)
 
     (expected, expected_grad), (got, got_grad) = forward_and_gradient("xla"), forward_and_gradient("cudnn")
     assert_close(got, expected, atol=3e-2, what=kind)

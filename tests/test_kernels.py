@@ -400,6 +400,10 @@ def test_bad_backend_tpu_block_sizes_and_triton_launch_name_the_value():
 # ------------------------------------------------------------------------------------------------ the block plan
 
 
+# The block plan under jit (outside it, each of its operations would compile on its own).
+jitted_plan = jax.jit(ks.plan, static_argnums=(2, 3), static_argnames="max_groups")
+
+
 def visited_pairs(plan, t, window, sink, block, band_block):
     """Every (query token, key token) pair inside a visited block, as a set (small T only)."""
     pairs = set()
@@ -425,7 +429,7 @@ def test_plan_covers_every_allowed_pair(groups, k, sink):
     t, window, block, band_block = 70, 6, 16, 8
     membership = random_membership(12, 1, t, groups, k)
     segment_ids = (jnp.arange(t)[None] >= 30).astype(jnp.int32)
-    plan = ks.plan(membership[0], segment_ids[0], block, band_block)
+    plan = jitted_plan(membership[0], segment_ids[0], block, band_block)
     allowed = np.asarray(reference.focus_hard_mask(membership, window=window, segment_ids=segment_ids,
                                                    sink=sink))[0]
     visited = visited_pairs(plan, t, window, sink, block, band_block)
@@ -440,7 +444,7 @@ def test_plan_token_entries_are_the_entries_of_each_token(groups, k, max_groups)
     words."""
     t, block = 21, 8
     membership = random_membership(3, 1, t, groups, k)[0]
-    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, 8, max_groups=max_groups)
+    plan = jitted_plan(membership, jnp.zeros(t, jnp.int32), block, 8, max_groups=max_groups)
     token, group = np.asarray(plan.entry_token), np.asarray(plan.entry_group)
     entries = np.asarray(plan.token_entries)
     slots = min(max_groups or groups, groups)
@@ -457,7 +461,7 @@ def test_plan_cost_is_near_the_pair_count_for_balanced_groups(block):
     t, groups, window, band_block = 32768, 8, 128, 32
     group = np.random.default_rng(0).permutation(np.arange(t) % groups)
     membership = jnp.asarray(group[:, None] == np.arange(groups))
-    plan = ks.plan(membership, jnp.zeros(t, jnp.int32), block, band_block, max_groups=1)
+    plan = jitted_plan(membership, jnp.zeros(t, jnp.int32), block, band_block, max_groups=1)
     assert plan.entry_token.shape == (t,)
     first = np.asarray(plan.first_key_block)
     a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))

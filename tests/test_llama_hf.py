@@ -329,10 +329,12 @@ def test_cudnn_path_pads_odd_lengths(t, window, segmented):
 
     q, k, v = (jax.random.normal(jax.random.key(i), (2, t, h, 8)) for i, h in enumerate((4, 2, 2)))
     segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
-    padded = lambda q, k, v: _jax_nn_causal_attention(q, k, v, 0.4, window, segment_ids, implementation="xla")
-    direct = lambda q, k, v: focal_attention(q, k, v, temperature=0.4, window=window, segment_ids=segment_ids)
+    padded = jax.jit(lambda q, k, v: _jax_nn_causal_attention(q, k, v, 0.4, window, segment_ids,
+                                                              implementation="xla"))
+    direct = jax.jit(lambda q, k, v: focal_attention(q, k, v, temperature=0.4, window=window,
+                                                     segment_ids=segment_ids))
     np.testing.assert_allclose(padded(q, k, v), direct(q, k, v), atol=1e-5)
-    loss = lambda fn: jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2))(q, k, v)
+    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=(0, 1, 2)))(q, k, v)
     for got, want in zip(loss(padded), loss(direct)):
         np.testing.assert_allclose(got, want, atol=1e-5)
 

@@ -470,6 +470,9 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
 # ------------------------------------------------------------------------------------------------ experiments
 
 
+EXPERIMENTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+
+
 def experiment_args(base_workdir: str) -> dict:
     """The runlocal argument of every experiment file (a new experiment must be added here)."""
     return {"quickstart": "runlocal", "focus_retrofit": f"runlocal,init_from={base_workdir}",
@@ -483,25 +486,23 @@ def experiment_args(base_workdir: str) -> dict:
             "lora_baseline": f"runlocal,init_from={base_workdir}"}
 
 
-def test_every_experiment_runs_two_steps(tmp_path, cache_dir):
-    base = str(tmp_path / "base")
-    train(tiny(cache_dir, total_steps=1), base)
-    names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
-    args = experiment_args(base)
-    assert names == sorted(args), "every experiment needs its runlocal argument in experiment_args"
-    for name in names:
-        config = load_experiment(name, args[name])
-        config.data.cache_dir = cache_dir
-        config.update(total_steps=2, batch_size=8)
-        workdir = str(tmp_path / name)
-        train(config, workdir)
-        assert sorted(losses(workdir)) == [1, 2], name
-        assert load_experiment(name, args[name].replace("runlocal", "")).total_steps > 100, name
+def test_every_experiment_has_a_runlocal_argument():
+    assert EXPERIMENTS == sorted(experiment_args("BASE")), "a new experiment needs its argument in experiment_args"
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_runs_two_steps(name, runs, tmp_path, cache_dir):
+    """Two training steps of the experiment's runlocal config; no evaluation (the same code for every model)."""
+    args = experiment_args(runs["base"])[name]
+    config = load_experiment(name, args)
+    config.data.cache_dir = cache_dir
+    config.update(total_steps=2, batch_size=8, eval_batches=0)
+    train(config, str(tmp_path))
+    assert sorted(losses(str(tmp_path))) == [1, 2]
+    assert load_experiment(name, args.replace("runlocal", "")).total_steps > 100
 
 
 # ------------------------------------------------------------------------------------------------ paper sweeps
-
-EXPERIMENTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 
 # The papers' numbers, written out here rather than read from configs/common.py or focal_jax.nn.llama.
 FOCAL_TABLE_3 = {  # size: (hidden, intermediate, heads, layers)
