@@ -513,8 +513,9 @@ FOCAL_TABLE_4_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
-    """Run directories the launch lines start from: a tiny base run, a Focus phase-1 run on it (K = 8, 3 steps, so
-    that its centroids moved), and a stand-in Hugging Face directory (config files only: nothing loads it)."""
+    """Run directories the launch lines and the experiments' two steps start from: a tiny base run, a Focus phase-1
+    run on it (K = 8, 3 steps, so that its centroids moved), and a stand-in Hugging Face directory (config files
+    only: nothing loads it)."""
     root = tmp_path_factory.mktemp("runs")
     base, phase1, hf = str(root / "base"), str(root / "focus_retrofit"), root / "hf"
     train(tiny(cache_dir, total_steps=1), base)
