@@ -24,7 +24,7 @@ import sys
 import sysconfig
 import warnings
 
-from focal_jax.data.tokenizer import DEFAULT_CACHE_DIR, write_atomically
+from focal_jax.data.tokenizer import cache_directory, write_atomically
 
 _SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__", "encodings", "pydoc_data"})
 _FORMAT = 1  # part of the stored copy's key: bump it when the documents' extraction below changes
@@ -43,7 +43,7 @@ def builtin_corpus(cache_dir: str | None = None) -> list[str]:
     True
     """
     files = _stdlib_files()
-    stored = pathlib.Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"builtin_corpus_{_files_key(files)}.json"
+    stored = cache_directory(cache_dir) / f"builtin_corpus_{_files_key(files)}.json"
     try:
         return json.loads(stored.read_bytes())
     except (OSError, ValueError):  # none yet, or damaged: rebuilt

@@ -260,11 +260,16 @@ def _cache_key(documents: list[str], vocab_size: int) -> str:
     return h.hexdigest()
 
 
+def cache_directory(cache_dir: str | None = None) -> pathlib.Path:
+    """Where focal_jax caches trained tokenizers and the parsed builtin corpus: `cache_dir`, else ~/.cache/focal_jax
+    (`data.cache_dir` of a run's config)."""
+    return pathlib.Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+
+
 def cached_tokenizer(documents: list[str], vocab_size: int, cache_dir: str | None = None) -> Tokenizer:
     """The tokenizer trained on `documents` at `vocab_size`: loaded from `cache_dir` (default ~/.cache/focal_jax)
     when an earlier call trained it, else trained and stored there as `spm_{vocab_size}_{key}.model`."""
-    directory = pathlib.Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-    path = directory / f"spm_{vocab_size}_{_cache_key(documents, vocab_size)[:32]}.model"
+    path = cache_directory(cache_dir) / f"spm_{vocab_size}_{_cache_key(documents, vocab_size)[:32]}.model"
     if path.is_file():
         return Tokenizer(str(path))
     return train_tokenizer(documents, vocab_size, str(path))
