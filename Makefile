@@ -20,18 +20,25 @@ demo: $(VENV)/.installed
 attention-demo: $(VENV)/.installed
 	$(PY) -m focal_jax.demo
 
-# One persistent compilation cache for the run, which the pytest-xdist workers and the command lines the tests start
-# inherit: a computation one test compiled is read back by the next (deleted afterwards). Not in `compile-check`:
-# jax cannot read back executables compiled for a device this machine does not have. The tests' programs are tiny
-# and compiled once each: XLA's CPU backend skips its expensive LLVM passes (JAX_DISABLE_MOST_OPTIMIZATIONS; the
-# same HLO passes run): twelve of the slowest tests took 3 min 35 s instead of 4 min 43 s.
+# jax's persistent compilation cache, which the pytest-xdist workers and the command lines the tests start inherit:
+# a computation one test compiled is read back by the next, and by the next run (entries are keyed by the program,
+# the compile options and jax's version, so a changed test or library compiles afresh). Kept in TEST_CACHE between
+# runs and emptied once it outgrows TEST_CACHE_MB; `make test TEST_CACHE=` gives the run a cache of its own, deleted
+# afterwards (what a fresh machine gets). Not in `compile-check`: jax cannot read back executables compiled for a
+# device this machine does not have. The tests' programs are tiny and compiled once each: XLA's CPU backend skips
+# its expensive LLVM passes (JAX_DISABLE_MOST_OPTIMIZATIONS; the same HLO passes run): twelve of the slowest tests
+# took 3 min 35 s instead of 4 min 43 s.
+TEST_CACHE ?= $(HOME)/.cache/focal_jax/jax_tests
+TEST_CACHE_MB ?= 2000
 test: $(VENV)/.installed
-	cache=$$(mktemp -d -t focal_jax_tests_jax_cache.XXXXXX) && \
+	cache="$(TEST_CACHE)" && \
+	if [ -z "$$cache" ]; then cache=$$(mktemp -d -t focal_jax_tests_jax_cache.XXXXXX); \
+	elif [ -d "$$cache" ] && [ $$(du -sm "$$cache" | cut -f1) -gt $(TEST_CACHE_MB) ]; then rm -rf "$$cache"; fi && \
 	JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
 		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_DISABLE_MOST_OPTIMIZATIONS=1 \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) tests --doctest-modules focal_jax/attention focal_jax/nn focal_jax/convert \
 		focal_jax/data focal_jax/train focal_jax/eval configs; \
-	status=$$?; rm -rf $$cache; exit $$status
+	status=$$?; if [ -z "$(TEST_CACHE)" ]; then rm -rf $$cache; fi; exit $$status
 
 bench: $(VENV)/.installed
 	$(PY) -m focal_jax.bench attention

@@ -9,8 +9,14 @@
     python -m focal_jax.bench plan [--lengths 4096 16384 32768 65536] [--block-size 64]
     python -m focal_jax.bench compile [--seq-len 16384] [--launch 64:8:2 64:8:2:64 ...] [--memory-lengths ...]
                                       [--tpus v5e:2x2 ...]   (no device: in .venv-compile, JAX_PLATFORMS=cpu)
+    python -m focal_jax.bench sinkhorn [--lengths 2048] [--batch 4] [--groups 8] [--documents 4] [--repeats 20]
     python -m focal_jax.bench shard [--mesh 2 2 2] [--batch 8] [--seq-len 256] [--heads 8] [--kv-heads 4]
                                     (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
+
+``sinkhorn``: the routing's balancing (``focal_jax.attention.sinkhorn``, 10 iterations) with its iterations unrolled
+(the default) and as a ``lax.scan`` (``unroll=False``), side by side: seconds to trace and lower, seconds to
+compile, and the milliseconds of a call (median of ``--repeats`` after one warm-up), of the forward + backward of
+``sum(g * w)``, with packed documents (``--documents`` segments per row) and without, non-causal and causal.
 
 ``shard``: no timing; what XLA compiles for the jitted loss and gradients of Focus through the Pallas kernel
 (``focus_sparse_attention(impl='pallas')``, K = 8, w = 128, top-1) on a ``(data, fsdp, tensor)`` mesh, with the
@@ -825,6 +831,49 @@ def _compile_for_tpus(args: argparse.Namespace) -> None:
                                   "fused: GB read + written by XLA's ops around the kernels"], rows))
 
 
+def run_sinkhorn(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import numpy as np
+
+    from focal_jax.attention import sinkhorn
+
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## Sinkhorn: unrolled iterations vs lax.scan, forward + backward (B={args.batch}, K={args.groups}, "
+          f"float32)\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+    rows = []
+    for seq_len in args.lengths:
+        rng = np.random.default_rng(args.seed)
+        scores = jax.numpy.asarray(rng.normal(size=(args.batch, seq_len, args.groups)) / 0.1, jax.numpy.float32)
+        weights = jax.numpy.asarray(rng.normal(size=(args.groups,)), jax.numpy.float32)
+        segment_ids = jax.numpy.asarray(np.sort(rng.integers(0, args.documents, (args.batch, seq_len)), axis=1))
+        for segments in (None, segment_ids):
+            for causal in (False, True):
+                measured = {}
+                for unroll in (True, False):
+                    _log(f"T={seq_len} segments={segments is not None} causal={causal} unroll={unroll} ...")
+                    loss = lambda s, ids: jax.numpy.sum(sinkhorn(s, segment_ids=ids, causal=causal,
+                                                                 unroll=unroll) * weights)
+                    start = time.perf_counter()
+                    lowered = jax.jit(jax.value_and_grad(loss)).lower(scores, segments)
+                    lowered_at = time.perf_counter()
+                    compiled = lowered.compile()
+                    compiled_at = time.perf_counter()
+                    times = []
+                    for _ in range(args.repeats + 1):
+                        call = time.perf_counter()
+                        jax.block_until_ready(compiled(scores, segments))
+                        times.append(time.perf_counter() - call)
+                    measured[unroll] = (lowered_at - start, compiled_at - lowered_at, statistics.median(times[1:]))
+                for unroll, (lower_s, compile_s, call_s) in measured.items():
+                    rows.append([f"{seq_len:,}", f"{args.documents} per row" if segments is not None else "none",
+                                 "yes" if causal else "no", "unrolled" if unroll else "lax.scan", f"{lower_s:.2f}",
+                                 f"{compile_s:.2f}", _fmt_ms(call_s),
+                                 _fmt_ratio(compile_s / measured[True][1]), _fmt_ratio(call_s / measured[True][2])])
+    print(_inputs.markdown_table(["T", "segments", "causal", "iterations", "trace + lower (s)", "compile (s)",
+                                  "call (ms)", "compile vs unrolled", "call vs unrolled"], rows))
+    return 0
+
+
 def _sum_grad(fn):
     """`fn(q, k, v, *rest)` -> gradients of `sum(out)` (in float32) with respect to q, k, v."""
     return jax.grad(lambda *args: jax.numpy.sum(fn(*args).astype(jax.numpy.float32)), argnums=(0, 1, 2))
@@ -832,7 +881,7 @@ def _sum_grad(fn):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``compile``,
-    ``shard``)."""
+    ``sinkhorn``, ``shard``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -880,6 +929,14 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--tpus", nargs="*", default=["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"],
                       help="TPU topologies to compile for (generation:shape)")
     comp.set_defaults(run=run_compile)
+    sink = sub.add_parser("sinkhorn", help="Sinkhorn's iterations unrolled vs lax.scan: compile and call time")
+    sink.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    sink.add_argument("--batch", type=int, default=4)
+    sink.add_argument("--groups", type=int, default=8)
+    sink.add_argument("--documents", type=int, default=4, help="segments per row, for the packed rows")
+    sink.add_argument("--repeats", type=int, default=20)
+    sink.add_argument("--seed", type=int, default=0)
+    sink.set_defaults(run=run_sinkhorn)
     shard = sub.add_parser("shard", help="the Pallas kernel on a mesh without / inside jax.set_mesh (no timing)")
     shard.add_argument("--mesh", type=int, nargs=3, default=[2, 2, 2], metavar=("DATA", "FSDP", "TENSOR"))
     shard.add_argument("--batch", type=int, default=8)

@@ -269,14 +269,25 @@ def test_builtin_corpus_and_its_tokenizer(tmp_path, monkeypatch):
 
 def test_builtin_corpus_is_stored_and_read_back(tmp_path, monkeypatch):
     """The first build is stored in the cache directory; a later process reads it back without parsing the stdlib;
-    a damaged copy is rebuilt; an unwritable cache directory still gives the corpus; a changed file changes the key."""
-    cache = str(tmp_path / "cache")
-    build = corpus.builtin_corpus.__wrapped__  # without the in-process cache: as a new process
+    the same process gives another cache directory its copy without parsing; a damaged copy is rebuilt; an
+    unwritable cache directory still gives the corpus; a changed file changes the key. On 40 of the stdlib's files:
+    the corpus is built three times."""
+    files = corpus._stdlib_files()[:40]
+    monkeypatch.setattr(corpus, "_stdlib_files", lambda: files)
+    cache, other_cache = str(tmp_path / "cache"), str(tmp_path / "other")
+
+    def build(cache_dir, as_new_process=True):
+        if as_new_process:
+            monkeypatch.setattr(corpus, "_BUILT", {})
+        return corpus.builtin_corpus(cache_dir)
+
     built = build(cache)
     [stored] = (tmp_path / "cache").glob("builtin_corpus_*.json")
     with monkeypatch.context() as patched:
         patched.setattr(corpus, "_module_docstrings", lambda path: pytest.fail(f"parsed {path} again"))
         assert build(cache) == built
+        assert build(other_cache, as_new_process=False) == built
+        assert json.loads((tmp_path / "other" / stored.name).read_text()) == built
     stored.write_text('["cut sh')
     assert build(cache) == built and json.loads(stored.read_text()) == built
 

@@ -128,6 +128,7 @@ def test_sinkhorn_errors():
     check_raises(lambda: sinkhorn(ones(B, T, 0)), "scores")                          # K < 1
     check_raises(lambda: sinkhorn(ones(B, T)), "scores")
     check_raises(lambda: sinkhorn(G, n_iters=0), "n_iters", 0)
+    check_raises(lambda: sinkhorn(G, unroll=2), "unroll", 2)
     check_raises(lambda: sinkhorn(G, valid=jnp.ones((B, T + 2), bool)), "valid")
 
 

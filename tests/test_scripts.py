@@ -135,6 +135,15 @@ def test_matmul_flops_counts_precision_through_calls_and_scans():
                               q) == (2 * 16 * 2 * 8 * 8,) * 2
 
 
+def test_bench_sinkhorn_prints_both_forms(capsys):
+    assert bench.main(["sinkhorn", "--lengths", "32", "--batch", "1", "--groups", "2", "--documents", "2",
+                       "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 ")]
+    assert [row.split("|")[4].strip() for row in rows] == ["unrolled", "lax.scan"] * 4
+    assert [row.split("|")[2].strip() for row in rows] == ["none"] * 4 + ["2 per row"] * 4
+    assert all(row.split("|")[8].strip() == "1.00" for row in rows[::2])  # each pair's ratios are to its unrolled row
+
+
 def test_bench_shard_prints_both_calls(capsys):
     """8 fake devices (conftest): the kernel under `jax.set_mesh` compiles without all-gathers; without it, with."""
     assert bench.main(["shard", "--batch", "4", "--seq-len", "64", "--heads", "4", "--kv-heads", "2",

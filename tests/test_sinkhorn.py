@@ -94,6 +94,23 @@ def test_matches_the_papers_plain_domain_algorithm():
         assert_close(got[bb], q)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_scanned_iterations_give_the_same_values_and_gradients(causal):
+    """`unroll=False` (the iterations as a `lax.scan`) against the default unrolled program, packed and padded
+    rows."""
+    scores, seg, valid = rand_scores(5), jnp.asarray(SEG), jnp.asarray(VALID)
+    weights = jnp.arange(1.0, 5.0)
+
+    def loss(unroll):
+        return jax.jit(jax.value_and_grad(lambda s: jnp.sum(sinkhorn(s, segment_ids=seg, valid=valid, causal=causal,
+                                                                     unroll=unroll) * weights)))
+
+    (scanned, d_scanned), (unrolled, d_unrolled) = loss(False)(scores), loss(True)(scores)
+    assert_close(unrolled, scanned, atol=1e-4)
+    assert_close(d_unrolled, d_scanned, atol=1e-5)
+    assert float(jnp.max(jnp.abs(d_scanned))) > 0.1  # a gradient to compare
+
+
 @pytest.mark.parametrize("n_iters", [1, 3])
 def test_sinkhorn_n_iters_matches_reference(n_iters):
     scores = rand_scores(3, spread=4.0)

@@ -16,8 +16,13 @@ def segment_labels(segment_ids):
 
 def segment_total(x, segment_ids, combine):
     """Per token, `combine`-reduction (`'sum'` or `'logsumexp'`) of `x [T, ...]` over its segment -> `[T, ...]`."""
+    return total_over_labels(x, segment_labels(segment_ids), combine)
+
+
+def total_over_labels(x, labels, combine):
+    """`segment_total` with the segments given as `segment_labels(segment_ids)` `[T]`: computed once where several
+    reductions share the segments (Sinkhorn's iterations)."""
     t = x.shape[0]
-    labels = segment_labels(segment_ids)
     if combine == "sum":
         return jax.ops.segment_sum(x, labels, num_segments=t)[labels]
     peak = jax.ops.segment_max(x, labels, num_segments=t)
@@ -28,10 +33,21 @@ def segment_total(x, segment_ids, combine):
 def segment_prefix(x, segment_ids, combine):
     """Per token i, `combine`-reduction (`'sum'` or `'logsumexp'`) of `x [T, ...]` over tokens j <= i of the same
     segment -> `[T, ...]`. Stable-sorts by segment so each segment is a contiguous run, scans, unsorts."""
-    binary = jnp.add if combine == "sum" else jnp.logaddexp
+    return prefix_over_runs(x, *segment_runs(segment_ids), combine)
+
+
+def segment_runs(segment_ids):
+    """`segment_ids [T]` -> (order `[T]`, starts `[T]` bool): the stable sort by segment, which makes each segment a
+    contiguous run, and where each run starts in it."""
     order = jnp.argsort(segment_ids, stable=True)
     sorted_ids = segment_ids[order]
-    starts = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    return order, jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+
+
+def prefix_over_runs(x, order, starts, combine):
+    """`segment_prefix` with the segments given as `segment_runs(segment_ids)`: computed once where several
+    reductions share the segments (Sinkhorn's iterations)."""
+    binary = jnp.add if combine == "sum" else jnp.logaddexp
     starts = starts.reshape(starts.shape + (1,) * (x.ndim - 1))
 
     def segmented(left, right):

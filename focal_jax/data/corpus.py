@@ -15,7 +15,6 @@ and the same stdlib files.
 """
 
 import ast
-import functools
 import hashlib
 import json
 import os
@@ -30,25 +29,33 @@ _SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycac
 _FORMAT = 1  # part of the stored copy's key: bump it when the documents' extraction below changes
 
 
-@functools.cache
+_BUILT: dict[str, list[str]] = {}  # the corpora this process has read or parsed, by their `_files_key`
+
+
 def builtin_corpus(cache_dir: str | None = None) -> list[str]:
     """The builtin corpus -> list of documents (str), pydoc topics first, then one document per stdlib module.
 
-    Cached in-process; treat the list as read-only. Read from its stored copy in `cache_dir` (default
-    ~/.cache/focal_jax) when one matches this Python and its stdlib files (names, sizes, modification times), else
-    built and stored there (where the directory is writable).
+    Read from its stored copy in `cache_dir` (default ~/.cache/focal_jax) when one matches this Python and its
+    stdlib files (names, sizes, modification times), else built and stored there (where the directory is writable).
+    Kept in-process whichever `cache_dir` asks (treat the list as read-only): a directory without a stored copy
+    gets one.
 
     >>> docs = builtin_corpus()
     >>> sum(map(len, docs)) > 1_000_000
     True
     """
     files = _stdlib_files()
-    stored = cache_directory(cache_dir) / f"builtin_corpus_{_files_key(files)}.json"
-    try:
-        return json.loads(stored.read_bytes())
-    except (OSError, ValueError):  # none yet, or damaged: rebuilt
-        pass
-    docs = _pydoc_topics() + [doc for path in files if (doc := _module_docstrings(path))]
+    key = _files_key(files)
+    stored = cache_directory(cache_dir) / f"builtin_corpus_{key}.json"
+    docs = _BUILT.get(key)
+    if docs is None:
+        try:
+            docs = _BUILT[key] = json.loads(stored.read_bytes())
+            return docs
+        except (OSError, ValueError):  # none yet, or damaged: rebuilt
+            docs = _BUILT[key] = _pydoc_topics() + [doc for path in files if (doc := _module_docstrings(path))]
+    elif stored.is_file():
+        return docs
     try:
         write_atomically(stored, json.dumps(docs).encode())
     except OSError:
