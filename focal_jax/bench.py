@@ -832,6 +832,7 @@ def _compile_for_tpus(args: argparse.Namespace) -> None:
 
 
 def run_sinkhorn(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``sinkhorn`` subcommand: the routing's balancing, unrolled vs as a ``lax.scan``: trace, compile, call times."""
     import numpy as np
 
     from focal_jax.attention import sinkhorn
