@@ -244,6 +244,13 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _print_header(title: str, argv: Sequence[str]) -> None:
+    """A report's heading (`## title`) and its environment lines: the command as run, date, jax version, CPU."""
+    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
+    print(f"## {title}\n")
+    print(_inputs.environment_header(command) + "\n", flush=True)
+
+
 def _fmt_ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:,.1f}"
 
@@ -264,10 +271,8 @@ def _group_sizes(membership: Any) -> str:
 
 def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``attention`` subcommand: prints the header and one markdown table covering every length."""
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## attention (B=1, H={args.heads}, D={HEAD_DIM}, float32, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
-          f"top-1, repeats={args.repeats}, block_size={args.block_size or 'library default'})\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"attention (B=1, H={args.heads}, D={HEAD_DIM}, float32, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
+                  f"top-1, repeats={args.repeats}, block_size={args.block_size or 'library default'})", argv)
     rows, results = [], {}
     for seq_len in args.lengths:
         _log(f"T={seq_len} ...")
@@ -408,11 +413,9 @@ def run_train_size(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from focal_jax.train.trainer import matmul_param_count
 
     bf16 = jax.numpy.bfloat16
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
     how = "compiled for an H200, no device" if args.compile_for_h200 else (
         f"median of {args.repeats} after one warm-up")
-    print(f"## train step, {args.size} (bf16 compute, AdamW, B={args.batch}, T={args.seq_len}, {how})\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"train step, {args.size} (bf16 compute, AdamW, B={args.batch}, T={args.seq_len}, {how})", argv)
     if args.compile_for_h200:
         from focal_jax.kernels import compile_only
 
@@ -467,9 +470,7 @@ def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from focal_jax.nn.retrofit import FocusConfig, retrofit
     from focal_jax.train.optimizer import OptimConfig
 
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## train step (float32, AdamW, median of {args.repeats} after one warm-up)\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"train step (float32, AdamW, median of {args.repeats} after one warm-up)", argv)
     quickstart = dict(vocab_size=2000, d_model=128, n_layers=4, n_heads=4, intermediate=344, qk_norm="head")
     kinds = {"dense": {"kind": "dense"}, "focal (t=0.4)": {"kind": "focal", "focal_t": 0.4},
              "focal learned": {"kind": "focal_learned"},
@@ -534,10 +535,8 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     jnp = jax.numpy
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## kernel (B=1, H={args.heads}, D={args.head_dim}, {jnp.dtype(dtype).name}, K={_inputs.N_GROUPS} "
-          f"balanced, w={_inputs.WINDOW}, top-1, repeats={args.repeats})\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"kernel (B=1, H={args.heads}, D={args.head_dim}, {jnp.dtype(dtype).name}, K={_inputs.N_GROUPS} "
+                  f"balanced, w={_inputs.WINDOW}, top-1, repeats={args.repeats})", argv)
     rows, plan_rows = [], []
     scale = args.head_dim ** -0.5
     blocks = block_sizes(default_backend())
@@ -624,10 +623,8 @@ def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from focal_jax.kernels import focus_sparse as ks
 
     block, band_block, window, groups = args.block_size, 32, _inputs.WINDOW, _inputs.N_GROUPS
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## block plan (K={groups} balanced random top-1, w={window}, set A blocks {block}, set B tiles "
-          f"{band_block})\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"block plan (K={groups} balanced random top-1, w={window}, set A blocks {block}, set B tiles "
+                  f"{band_block})", argv)
     rows = []
     for seq_len in args.lengths:
         _log(f"T={seq_len} ...")
@@ -667,11 +664,9 @@ def run_shard(args: argparse.Namespace, argv: Sequence[str]) -> int:
                          f"{jax.device_count()} (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={devices})")
     mesh = jax.make_mesh(tuple(args.mesh), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
                          devices=jax.devices()[:devices])
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## Pallas kernel under a mesh (mesh {dict(mesh.shape)}, B={args.batch}, T={args.seq_len}, "
-          f"H={args.heads}, kv heads {args.kv_heads}, D={args.head_dim}, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
-          f"top-1; loss and gradients)\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"Pallas kernel under a mesh (mesh {dict(mesh.shape)}, B={args.batch}, T={args.seq_len}, "
+                  f"H={args.heads}, kv heads {args.kv_heads}, D={args.head_dim}, K={_inputs.N_GROUPS}, "
+                  f"w={_inputs.WINDOW}, top-1; loss and gradients)", argv)
     keys = jax.random.split(jax.random.key(args.seed), 3)
     shapes = [(args.batch, args.seq_len, h, args.head_dim) for h in (args.heads, args.kv_heads, args.kv_heads)]
     qkv = [jax.random.normal(key, shape, jnp.float32) for key, shape in zip(keys, shapes)]
@@ -716,10 +711,8 @@ def run_compile(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``compile`` subcommand: the kernels compiled for an H200 and for TPUs, without either."""
     from focal_jax.kernels import compile_only
 
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## the kernels compiled for devices this machine does not have (bf16, H={COMPILE_HEADS}, "
-          f"D={COMPILE_DIM}, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, top-1; forward + backward)\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"the kernels compiled for devices this machine does not have (bf16, H={COMPILE_HEADS}, "
+                  f"D={COMPILE_DIM}, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, top-1; forward + backward)", argv)
     if compile_only.has_cuda_plugin():
         _compile_for_the_h200(args, compile_only.gpu_device())
     else:
@@ -837,10 +830,8 @@ def run_sinkhorn(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from focal_jax.attention import sinkhorn
 
-    command = "python -m focal_jax.bench " + " ".join(shlex.quote(a) for a in argv)
-    print(f"## Sinkhorn: unrolled iterations vs lax.scan, forward + backward (B={args.batch}, K={args.groups}, "
-          f"float32)\n")
-    print(_inputs.environment_header(command) + "\n", flush=True)
+    _print_header(f"Sinkhorn: unrolled iterations vs lax.scan, forward + backward (B={args.batch}, "
+                  f"K={args.groups}, float32)", argv)
     rows = []
     for seq_len in args.lengths:
         rng = np.random.default_rng(args.seed)
