@@ -20,8 +20,9 @@ def segment_total(x, segment_ids, combine):
 
 
 def total_over_labels(x, labels, combine):
-    """`segment_total` with the segments given as `segment_labels(segment_ids)` `[T]`: computed once where several
-    reductions share the segments (Sinkhorn's iterations)."""
+    """`segment_total` of `x [T, ...]` -> `[T, ...]`, with the segments given as `labels [T]` from
+    `segment_labels(segment_ids)`: computed once where several reductions share the segments (Sinkhorn's
+    iterations)."""
     t = x.shape[0]
     if combine == "sum":
         return jax.ops.segment_sum(x, labels, num_segments=t)[labels]
@@ -45,8 +46,9 @@ def segment_runs(segment_ids):
 
 
 def prefix_over_runs(x, order, starts, combine):
-    """`segment_prefix` with the segments given as `segment_runs(segment_ids)`: computed once where several
-    reductions share the segments (Sinkhorn's iterations)."""
+    """`segment_prefix` of `x [T, ...]` -> `[T, ...]`, with the segments given as `(order [T], starts [T])` from
+    `segment_runs(segment_ids)`: computed once where several reductions share the segments (Sinkhorn's
+    iterations)."""
     binary = jnp.add if combine == "sum" else jnp.logaddexp
     starts = starts.reshape(starts.shape + (1,) * (x.ndim - 1))
 
