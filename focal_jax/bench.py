@@ -731,13 +731,21 @@ def _compile_inputs(seq_len: int):
             jax.ShapeDtypeStruct((1, seq_len, _inputs.N_GROUPS), jnp.bool_))
 
 
-def _fused_grad(backend: str, launch=(None, None, None, None), max_groups: int | None = 1):
-    """Gradients of the fused kernel's `sum(out)` (top-1 Focus, w = 128) through `backend` at `launch` (`_launch`)."""
+def _fused_grad(backend: str, launch=(None, None, None, None), max_groups: int | None = 1, per_query: bool = False):
+    """Gradients of the fused kernel's `sum(out)` (top-1 Focus, w = 128) through `backend` at `launch` (`_launch`).
+    `per_query`: the multiplier an array `[B, T, H]` computed from q, as a learned temperature is from the layer's
+    input (its gradient flows back into q), instead of the number `1 / sqrt(D)`."""
     from focal_jax.kernels.focus_sparse import focus_sparse_pallas
+
+    def multiplier(q):
+        if not per_query:
+            return COMPILE_DIM ** -0.5
+        tau = 5.0 + 5.0 * jax.nn.sigmoid(q[..., 0].astype(jax.numpy.float32))  # in (5, 10), the paper's range
+        return 1.0 / tau
 
     block, warps, stages, band = launch
     return _sum_grad(lambda q, k, v, m: focus_sparse_pallas(
-        q, k, v, m, multiplier=COMPILE_DIM ** -0.5, window=_inputs.WINDOW, backend=backend, block_size=block,
+        q, k, v, m, multiplier=multiplier(q), window=_inputs.WINDOW, backend=backend, block_size=block,
         band_block_size=band, max_groups=max_groups, num_warps=warps, num_stages=stages))
 
 
@@ -787,7 +795,8 @@ def _compile_for_the_h200(args: argparse.Namespace, device) -> None:
     print("\n'tensor cores': the MMA instructions in the kernel's PTX, Hopper's warpgroup `wgmma` (blocks of 64 rows "
           "or more) or the warp-level `mma.sync`.")
     variants = {"Focus decomposed": _decomposed_grad(), "Focus fused kernel": _fused_grad("triton"),
-                "Focus fused kernel, max_groups=None (K * T entries)": _fused_grad("triton", max_groups=None)}
+                "Focus fused kernel, max_groups=None (K * T entries)": _fused_grad("triton", max_groups=None),
+                "Focus fused kernel, per-query temperature": _fused_grad("triton", per_query=True)}
     rows = []
     for seq_len in args.memory_lengths:
         _log(f"H200: compiling T={seq_len} (memory) ...")

@@ -18,7 +18,9 @@ accumulating in float32 and writing its block in the inputs' dtype; a token's pa
 `Plan.token_entries`, set B, the query heads that share a kv head) are summed in float32. On GPUs with one entry
 per token (`max_groups=1`) set A's dq / dk / dv kernels store each entry's row at its token instead, and set B's
 add their own to those rows in place (`_in_token_order`). No `[T, T]` array exists anywhere, and nothing is
-scatter-added.
+scatter-added. The logits' multiplier (scale / temperature) multiplies each block's float32 scores inside the
+kernels, and dq and dk: a number as a setting, a per-query array `[B, T, H]` as a per-row operand like the
+log-sum-exp, whose gradient the dq kernels compute.
 
 Layouts: activations stay row-major `[B, rows, H, C]` on GPUs (a program's block `[rows, C]` is a strided slice,
 so no transposed copy exists) and are head-major `[B, H, rows, C]` on TPUs, whose blocks must tile or span their
@@ -191,8 +193,24 @@ def _matmul(a, b, contract):
     return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _scores(q, k, softcap):
-    s = _matmul(q, k, ((1,), (1,)))
+def _scaled(x, scale):
+    """`x * scale`: `scale` a number (the multiplier of every logit) or a per-query column / row."""
+    return x if isinstance(scale, float) and scale == 1.0 else x * scale
+
+
+def _own_scale(scale):
+    """The multiplier of a program's own queries: a number, or from its per-query block (a ref) the column
+    `[n, 1]`."""
+    return scale if isinstance(scale, float) else _stat_column(scale[...])
+
+
+def _number(scale):
+    """The multiplier if it is a number, else 1.0 (per query: applied inside each step)."""
+    return scale if isinstance(scale, float) else 1.0
+
+
+def _scores(q, k, scale, softcap):
+    s = _scaled(_matmul(q, k, ((1,), (1,))), scale)
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
@@ -295,35 +313,49 @@ def _grad_scores(s, lse, dp, delta, softcap):
     return p, ds
 
 
+def _store_gradients(acc, q_block, scale, d_scale):
+    """A dq kernel's float32 sum `acc [n, D]` of dS . k over its walk, times the queries' multiplier `scale` (a
+    number or the column `[n, 1]`): dq. With a per-query multiplier (`d_scale`, its output block) that
+    multiplier's gradient `q . acc` per query is stored too."""
+    if d_scale is not None:
+        _store_stat(d_scale, jnp.sum(acc * q_block.astype(jnp.float32), axis=1, keepdims=True))
+    return _scaled(acc, scale)
+
+
+def _walked_scale(scale):
+    """The walked operands that a dk / dv kernel's multiplier adds: none for a number, else its per-query rows."""
+    return () if isinstance(scale, float) else (scale,)
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 # Arguments: the program's own blocks are refs; the operands it walks are `_Walked`, and `_walk` hands the step
 # function their block-j refs.
 
 
-def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, *, softcap):
+def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, *, scale, softcap):
     """Set A forward for one query entry block of one head."""
     i = pl.program_id(2)
-    q_block = q[...]
+    q_block, scale = q[...], _own_scale(scale)
 
     def step(j, blocks, carry):
         k_j, v_j, k_ids_j, k_words_j = blocks
         key_side = (_walked_vectors(k_ids_j), _walked_vectors(k_words_j))
-        s = _group_masked(_scores(q_block, k_j[...], softcap), (q_ids, q_lower), key_side, info, i, j)
+        s = _group_masked(_scores(q_block, k_j[...], scale, softcap), (q_ids, q_lower), key_side, info, i, j)
         return _online(carry, s, v_j[...])
 
     _finish(_walk(first[i], i + 1, step, _empty_carry(*o.shape), (k, v, k_ids, k_words)), o, lse)
 
 
 def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, sink, n_tokens,
-                 softcap):
+                 scale, softcap):
     """Set B forward for one query token block of one head."""
     i = pl.program_id(2)
-    q_block, q_pos = q[...], _positions(i, block, own=True)
+    q_block, q_pos, scale = q[...], _positions(i, block, own=True), _own_scale(scale)
 
     def step(j, blocks, carry):
         k_j, v_j, k_segment_j, k_words_j = blocks
         key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
-        s = _band_masked(_scores(q_block, k_j[...], softcap), (q_segment, q_words), key_side, q_pos,
+        s = _band_masked(_scores(q_block, k_j[...], scale, softcap), (q_segment, q_words), key_side, q_pos,
                          _positions(j, block, own=False), window, sink, n_tokens)
         return _online(carry, s, v_j[...])
 
@@ -345,92 +377,106 @@ def _plus(acc, has_entry, part):
     return acc + jnp.where(has_entry[0] != 0, part[...].astype(jnp.float32), 0.0)
 
 
-def _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc):
-    """The dq kernels' step for the walked key block (`masked(scores)` applies its mask): `acc + dS . k`."""
+def _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, scale, softcap, acc):
+    """The dq kernels' step for the walked key block (`masked(scores)` applies its mask): `acc + dS . k` (dq is
+    `scale` times the sum)."""
     k_block = k_j[...]
-    s = masked(_scores(q_block, k_block, softcap))
+    s = masked(_scores(q_block, k_block, scale, softcap))
     _, ds = _grad_scores(s, lse_block, _matmul(do_block, v_j[...], ((1,), (1,))), delta_block, softcap)
     return acc + _matmul(ds.astype(k_block.dtype), k_block, ((1,), (0,)))
 
 
-def _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry):
+def _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, scale_i, masked, softcap, carry):
     """The dk / dv kernels' step for the walked query block: scores transposed, `[bk, bq]`, so that the queries'
-    ids and statistics are read as rows (`masked(scores)` applies the mask); returns (dk, dv) + this block's."""
+    ids and statistics are read as rows (`masked(scores)` applies the mask); returns (dk, dv) + this block's.
+    `scale_i`: the walked queries' multipliers, a row `[1, bq]` applied here, or a number (dk is then that number
+    times the sum, `_number`)."""
     q_block, do_block = q_i[...], do_i[...]
-    s = masked(_scores(k_block, q_block, softcap))
+    s = masked(_scores(k_block, q_block, scale_i, softcap))
     dp = _matmul(v_block, do_block, ((1,), (1,)))
     p, ds = _grad_scores(s, lse_i[...], dp, delta_i[...], softcap)
+    ds = ds if isinstance(scale_i, float) else ds * scale_i
     return (carry[0] + _matmul(ds.astype(q_block.dtype), q_block, ((1,), (0,))),
             carry[1] + _matmul(p.astype(do_block.dtype), do_block, ((1,), (0,))))
 
 
-def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, softcap):
-    """Set A: dq of one query entry block of one head (keys as in the forward pass)."""
+def _group_dq_kernel(first, info, q_ids, q_lower, q, do, lse, delta, k, v, k_ids, k_words, dq, *, scale, softcap,
+                     d_scale=None):
+    """Set A: dq of one query entry block of one head (keys as in the forward pass); with a per-query multiplier
+    also its gradient (`d_scale`, `_store_gradients`)."""
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
+    scale = _own_scale(scale)
 
     def step(j, blocks, acc):
         k_j, v_j, k_ids_j, k_words_j = blocks
         key_side = (_walked_vectors(k_ids_j), _walked_vectors(k_words_j))
         masked = lambda s: _group_masked(s, (q_ids, q_lower), key_side, info, i, j)
-        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc)
+        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, scale, softcap, acc)
 
-    dq[...] = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words)).astype(dq.dtype)
+    acc = _walk(first[i], i + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_ids, k_words))
+    dq[...] = _store_gradients(acc, q_block, scale, d_scale).astype(dq.dtype)
 
 
-def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids, q_lower, dk, dv, *, softcap):
+def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids, q_lower, dk, dv, *, scale,
+                      softcap):
     """Set A: dk, dv of one key entry block from one query head (the query blocks that visit it)."""
     j = pl.program_id(2)
     k_block, v_block = k[...], v[...]
 
     def step(i, blocks, carry):
-        q_i, do_i, lse_i, delta_i, q_ids_i, q_lower_i = blocks
+        q_i, do_i, lse_i, delta_i, q_ids_i, q_lower_i, *scale_i = blocks
         query_side = (_walked_vectors(q_ids_i), _walked_vectors(q_lower_i))
         masked = lambda s: _group_masked(s, query_side, (k_ids, k_words), info, i, j)
-        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry)
+        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, scale_i[0][...] if scale_i else scale, masked,
+                         softcap, carry)
 
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk_block, dv_block = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower))
-    dk[...], dv[...] = dk_block.astype(dk.dtype), dv_block.astype(dv.dtype)
+    dk_block, dv_block = _walk(j, last[j] + 1, step, zeros, (q, do, lse, delta, q_ids, q_lower, *_walked_scale(scale)))
+    dk[...], dv[...] = _scaled(dk_block, _number(scale)).astype(dk.dtype), dv_block.astype(dv.dtype)
 
 
 def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
-                    n_tokens, softcap, set_a=()):
-    """Set B: dq of one query token block of one head; with `set_a` (`_after_set_a`) plus set A's."""
+                    n_tokens, scale, softcap, set_a=(), d_scale=None):
+    """Set B: dq of one query token block of one head; with `set_a` (`_after_set_a`) plus set A's; with a
+    per-query multiplier also its gradient (of set B's pairs, `d_scale`)."""
     i = pl.program_id(2)
     q_block, do_block, lse_block, delta_block = q[...], do[...], _stat_column(lse[...]), _stat_column(delta[...])
-    q_pos = _positions(i, block, own=True)
+    q_pos, scale = _positions(i, block, own=True), _own_scale(scale)
 
     def step(j, blocks, acc):
         k_j, v_j, k_segment_j, k_words_j = blocks
         key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
         masked = lambda s: _band_masked(s, (q_segment, q_words), key_side, q_pos, _positions(j, block, own=False),
                                         window, sink, n_tokens)
-        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, softcap, acc)
+        return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, scale, softcap, acc)
 
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
     acc = _walk(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32), walked)
-    acc = _walk(band_start, band_end + 1, step, acc, walked)
+    acc = _store_gradients(_walk(band_start, band_end + 1, step, acc, walked), q_block, scale, d_scale)
     dq[...] = (_plus(acc, *set_a) if set_a else acc).astype(dq.dtype)
 
 
 def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
-                     sink, n_tokens, n_blocks, softcap, set_a=()):
+                     sink, n_tokens, n_blocks, scale, softcap, set_a=()):
     """Set B: dk, dv of one key token block from one query head; with `set_a` (`_after_set_a`) plus set A's."""
     j = pl.program_id(2)
     k_block, v_block, k_pos = k[...], v[...], _positions(j, block, own=True)
 
     def step(i, blocks, carry):
-        q_i, do_i, lse_i, delta_i, q_segment_i, q_words_i = blocks
+        q_i, do_i, lse_i, delta_i, q_segment_i, q_words_i, *scale_i = blocks
         query_side = (_walked_vectors(q_segment_i), _walked_vectors(q_words_i))
         masked = lambda s: _band_masked(s, query_side, (k_segment, k_words), _positions(i, block, own=False), k_pos,
                                         window, sink, n_tokens)
-        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, masked, softcap, carry)
+        return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, scale_i[0][...] if scale_i else scale, masked,
+                         softcap, carry)
 
     first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
-    dk_block, dv_block = _walk(first, last + 1, step, zeros, (q, do, lse, delta, q_segment, q_words))
+    walked = (q, do, lse, delta, q_segment, q_words, *_walked_scale(scale))
+    dk_block, dv_block = _walk(first, last + 1, step, zeros, walked)
+    dk_block = _scaled(dk_block, _number(scale))
     if set_a:
         has_entry, dk_a, dv_a = set_a
         dk_block, dv_block = _plus(dk_block, has_entry, dk_a), _plus(dv_block, has_entry, dv_a)
@@ -452,6 +498,7 @@ class Settings(NamedTuple):
     window: int
     sink: int
     softcap: float | None
+    scale: float | None  # the multiplier of every logit when it is a number; None: per query and head, an operand
     n_tokens: int
     backend: str     # one of BACKENDS
     num_warps: int   # Triton: warps per program
@@ -804,8 +851,45 @@ def _pad_rows(x, tp):
     return jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def _group_forward(q, k, v, p: Plan, s: Settings):
-    """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry."""
+def _logit_kwargs(s: Settings):
+    """The kernels' logit settings: the softcap and, when it is a number, the multiplier."""
+    return dict(softcap=s.softcap) if s.scale is None else dict(scale=s.scale, softcap=s.softcap)
+
+
+def _with_multiplier(kernel, n_inputs, n_outputs, *refs, **settings):
+    """Runs `kernel` on `refs` whose input `n_inputs`, after the kernel's own inputs, is the per-query multiplier
+    (passed as `scale`) and whose outputs past the kernel's `n_outputs` are its gradient (as `d_scale`)."""
+    inputs, scale, outputs = refs[:n_inputs], refs[n_inputs], refs[n_inputs + 1:]
+    gradient = dict(d_scale=outputs[n_outputs]) if len(outputs) > n_outputs else {}
+    return kernel(*inputs, *outputs[:n_outputs], scale=scale, **gradient, **settings)
+
+
+def _multiplied(kernel, inputs, outputs, scale, d_scale=None):
+    """A kernel call's kernel, inputs and outputs given the per-query multiplier `scale` (an `_Operand`; None when
+    it is a number, a setting of the kernel) and for the dq kernels the output of its gradient `d_scale`."""
+    if scale is None:
+        return kernel, inputs, outputs
+    return (functools.partial(_with_multiplier, kernel, len(inputs), len(outputs)), [*inputs, scale],
+            [*outputs, *([] if d_scale is None else [d_scale])])
+
+
+def _per_row(m, p: Plan, s: Settings, entries: bool):
+    """The per-query multiplier `m [B, T, H]` at set A's entries (`entries`) or set B's padded tokens, as the
+    per-row statistic `[B, H, rows]`."""
+    return (_by_entry(m, p, s) if entries else _pad_rows(m, p.token_segment.shape[1])).transpose(0, 2, 1)
+
+
+def _multiplier_operands(m_rows, s: Settings, block):
+    """A dq kernel's per-query multiplier `m_rows [B, H, rows]` (or None: a number) and its gradient's output, as
+    operands of a program's own block."""
+    if m_rows is None:
+        return None, None
+    return (_stat_operand(m_rows, s, block),
+            _stat_operand(jax.ShapeDtypeStruct(m_rows.shape, jnp.float32), s, block))
+
+
+def _group_forward(q, k, v, m, p: Plan, s: Settings):
+    """Set A: out `[B, E, H, Dv]`, lse `[B, H, E]` per entry (`m`: the per-query multiplier `[B, T, H]` or None)."""
     b, _, h, _ = q.shape
     g, dv, e = h // k.shape[2], v.shape[-1], p.entry_token.shape[1]
     ids, lower, words = _group_ids(p)
@@ -815,17 +899,18 @@ def _group_forward(q, k, v, p: Plan, s: Settings):
               _walked_ids(ids), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), s, s.block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
-    kernel = functools.partial(_group_kernel, softcap=s.softcap)
+    scale = None if m is None else _stat_operand(_per_row(m, p, s, entries=True), s, s.block)
+    kernel, inputs, outputs = _multiplied(functools.partial(_group_kernel, **_logit_kwargs(s)), inputs, outputs, scale)
     out, lse = _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
     return _row_major(out, s), lse.reshape(b, h, e)
 
 
 def _band_kwargs(s: Settings):
-    return dict(block=s.band_block, window=s.window, sink=s.sink, n_tokens=s.n_tokens, softcap=s.softcap)
+    return dict(block=s.band_block, window=s.window, sink=s.sink, n_tokens=s.n_tokens, **_logit_kwargs(s))
 
 
-def _band_forward(q, k, v, p: Plan, s: Settings):
-    """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token."""
+def _band_forward(q, k, v, m, p: Plan, s: Settings):
+    """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token (`m` as `_group_forward`'s)."""
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
     qp, kp, vp = (_pad_rows(x, tp) for x in (q, k, v))
@@ -835,7 +920,8 @@ def _band_forward(q, k, v, p: Plan, s: Settings):
               _activation(vp, s, heads_per_kv=g), _walked_ids(segment), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), s, s.band_block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
-    kernel = functools.partial(_band_kernel, **_band_kwargs(s))
+    scale = None if m is None else _stat_operand(_per_row(m, p, s, entries=False), s, s.band_block)
+    kernel, inputs, outputs = _multiplied(functools.partial(_band_kernel, **_band_kwargs(s)), inputs, outputs, scale)
     out, lse = _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
     return _row_major(out, s), lse.reshape(b, h, tp)
 
@@ -856,20 +942,22 @@ def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
     return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 
 
-def _attention_fwd(q, k, v, p: Plan, s: Settings):
+def _attention_fwd(q, k, v, m, p: Plan, s: Settings):
     b, _, h = q.shape[:3]
     dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
     empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
-    out_a, lse_a = _group_forward(q, k, v, p, s) if s.groups else empty(e)
-    out_b, lse_b = _band_forward(q, k, v, p, s) if s.band else empty(tp)
+    out_a, lse_a = _group_forward(q, k, v, m, p, s) if s.groups else empty(e)
+    out_b, lse_b = _band_forward(q, k, v, m, p, s) if s.band else empty(tp)
     out, lse = _merge(p, s, out_a, lse_a, out_b, lse_b)
     out = out.astype(v.dtype)
-    return out, (q, k, v, p, out, lse)
+    return out, (q, k, v, m, p, out, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, p: Plan, settings: Settings):
-    return _attention_fwd(q, k, v, p, settings)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, m, p: Plan, settings: Settings):
+    """Attention of the plan `p` -> `[B, T, H, Dv]`; `m`: the multiplier per query and head `[B, T, H]` (float32),
+    or None when `settings.scale` holds it."""
+    return _attention_fwd(q, k, v, m, p, settings)[0]
 
 
 def _in_token_order(p: Plan, s: Settings) -> bool:
@@ -893,10 +981,11 @@ def _with_set_a(inputs, kernel, p: Plan, s: Settings, set_a):
             functools.partial(_after_set_a, kernel, len(set_a)), {1 + i: i for i in range(len(set_a))})
 
 
-def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, token_order=False):
+def _group_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, token_order=False):
     """Set A's dq, dk, dv in token space (float32); with `token_order` (`_in_token_order`) the kernels' own, `[B,
     Tp, H, C]` per query head, whose rows they scatter by their entries' tokens (those of tokens in no group, and
-    of padding past T, left unwritten)."""
+    of padding past T, left unwritten). Then the gradient of set A's pairs for the per-query multiplier `m [B, T,
+    H]`, `[B, T, H]` (float32; 0.0 when `m` is None)."""
     b, _, h, d = q.shape
     hk, dv, e, tp = k.shape[2], v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
     g, block = h // hk, s.block
@@ -905,26 +994,33 @@ def _group_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, token_order=F
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c, dtype: (_Operand(jax.ShapeDtypeStruct((b, tp, h, c), dtype), "token", entries="own")
                                  if token_order else _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block))
+    m_a = None if m is None else _per_row(m, p, s, entries=True)
     query_blocks = [_own_ids(x, s, block) for x in (ids, lower)] + [
         _entry_rows(x, p, s, block) for x in (q, do)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
-    (dq,) = _call(functools.partial(_group_dq_kernel, softcap=s.softcap),
-                  [_Operand(p.first_key_block, "table"), info, *query_blocks, _entry_rows(k, p, s, heads_per_kv=g),
-                   _entry_rows(v, p, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)],
-                  [gradient(d, q.dtype)], grid, s, "focus_group_dq", block)
+    kernel, inputs, outputs = _multiplied(
+        functools.partial(_group_dq_kernel, **_logit_kwargs(s)),
+        [_Operand(p.first_key_block, "table"), info, *query_blocks, _entry_rows(k, p, s, heads_per_kv=g),
+         _entry_rows(v, p, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)], [gradient(d, q.dtype)],
+        *_multiplier_operands(m_a, s, block))
+    dq, *d_scale = _call(kernel, inputs, outputs, grid, s, "focus_group_dq", block)
     walked_queries = [_entry_rows(x, p, s) for x in (q, do)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _walked_ids(x) for x in (ids, lower)]
-    dk, dvv = _call(functools.partial(_group_dkv_kernel, softcap=s.softcap),
-                    [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
-                     _entry_rows(k, p, s, block, g), _entry_rows(v, p, s, block, g), *walked_queries],
-                    [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_group_dkv", block)
+    kernel, inputs, outputs = _multiplied(
+        functools.partial(_group_dkv_kernel, **_logit_kwargs(s)),
+        [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
+         _entry_rows(k, p, s, block, g), _entry_rows(v, p, s, block, g), *walked_queries],
+        [gradient(d, k.dtype), gradient(dv, v.dtype)], None if m is None else _stat_operand(m_a, s))
+    dk, dvv = _call(kernel, inputs, outputs, grid, s, "focus_group_dkv", block)
+    d_scale = _token_major(d_scale[0].reshape(b, h, e).transpose(0, 2, 1), p, s) if d_scale else 0.0
     if token_order:
-        return dq, dk, dvv
+        return dq, dk, dvv, d_scale
     token_major = lambda x: _token_major(_row_major(x, s), p, s)
-    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
+    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk), d_scale
 
 
-def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, set_a=()):
-    """Set B's dq, dk, dv (float32); with `set_a` (set A's, `_group_backward`'s in token order) their sums."""
+def _band_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, set_a=()):
+    """Set B's dq, dk, dv (float32); with `set_a` (set A's, `_group_backward`'s in token order) their sums. Then
+    the gradient of set B's pairs for the per-query multiplier `m [B, T, H]` (as `_group_backward`'s)."""
     b, t, h, d = q.shape
     hk, dv, tp, block = k.shape[2], v.shape[-1], p.token_segment.shape[1], s.band_block
     g = h // hk
@@ -937,35 +1033,43 @@ def _band_backward(q, k, v, p: Plan, do, lse, delta, s: Settings, set_a=()):
     set_a_dq, set_a_dkv = ([_Operand(x, "token") for x in parts] for parts in (set_a[:1], set_a[1:]))
     query_blocks = own_ids + [_activation(x, s, block) for x in (qp, dop)] + [
         _stat_operand(x, s, block) for x in (lse_b, delta_b)]
-    inputs, kernel, aliases = _with_set_a(
+    m_b = None if m is None else _per_row(m, p, s, entries=False)
+    kernel, inputs, outputs = _multiplied(
+        functools.partial(_band_dq_kernel, **_band_kwargs(s)),
         [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
-         *(_walked_ids(x) for x in ids)], functools.partial(_band_dq_kernel, **_band_kwargs(s)), p, s, set_a_dq)
-    (dq,) = _call(kernel, inputs, [gradient(d, q.dtype)], grid, s, "focus_band_dq", block, aliases)
+         *(_walked_ids(x) for x in ids)], [gradient(d, q.dtype)], *_multiplier_operands(m_b, s, block))
+    inputs, kernel, aliases = _with_set_a(inputs, kernel, p, s, set_a_dq)
+    dq, *d_scale = _call(kernel, inputs, outputs, grid, s, "focus_band_dq", block, aliases)
     walked_queries = [_activation(x, s) for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
         _walked_ids(x) for x in ids]
-    inputs, kernel, aliases = _with_set_a(
+    kernel, inputs, outputs = _multiplied(
+        functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
         [*own_ids, _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
-        functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)), p, s, set_a_dkv)
-    dk, dvv = _call(kernel, inputs, [gradient(d, k.dtype), gradient(dv, v.dtype)], grid, s, "focus_band_dkv", block,
-                    aliases)
+        [gradient(d, k.dtype), gradient(dv, v.dtype)], None if m is None else _stat_operand(m_b, s))
+    inputs, kernel, aliases = _with_set_a(inputs, kernel, p, s, set_a_dkv)
+    dk, dvv = _call(kernel, inputs, outputs, grid, s, "focus_band_dkv", block, aliases)
     token_major = lambda x: _row_major(x, s)[:, :t].astype(jnp.float32)
-    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk)
+    d_scale = d_scale[0].reshape(b, h, tp).transpose(0, 2, 1)[:, :t] if d_scale else 0.0
+    return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk), d_scale
 
 
 def _attention_bwd(settings, residuals, d_out):
-    q, k, v, p, out, lse = residuals
+    q, k, v, m, p, out, lse = residuals
     do = d_out.astype(v.dtype)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    args = (q, k, v, m, p, do, lse, delta, settings)
     if _in_token_order(p, settings):
-        set_a = _group_backward(q, k, v, p, do, lse, delta, settings, token_order=True)
-        grads = [_band_backward(q, k, v, p, do, lse, delta, settings, set_a)]
+        *set_a, d_scale_a = _group_backward(*args, token_order=True)
+        dq, dk, dv, d_scale_b = _band_backward(*args, set_a)
+        grads = [(dq, dk, dv, d_scale_a + d_scale_b)]
     else:
-        grads = ([_group_backward(q, k, v, p, do, lse, delta, settings)] if settings.groups else []) + (
-            [_band_backward(q, k, v, p, do, lse, delta, settings)] if settings.band else [])
-    dq, dk, dv = (sum(parts) for parts in zip(*grads))
+        grads = ([_group_backward(*args)] if settings.groups else []) + (
+            [_band_backward(*args)] if settings.band else [])
+    dq, dk, dv, d_scale = (sum(parts) for parts in zip(*grads))
     zero_plan = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), p)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_plan
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None if m is None else d_scale,
+            zero_plan)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -986,8 +1090,10 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
-    temperature) scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]` in v's dtype.
-    Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and the multiplier. For
+    temperature) a number or an array, scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]`
+    in v's dtype. A number is applied to the float32 scores inside the kernels (and to dq, dk there); an array, which
+    may be traced (a learned temperature), scales q in q's dtype before them, and its gradient flows through that.
+    Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and an array multiplier. For
     float32 inputs they follow jax's default matmul precision, as XLA's own products do: TF32 on a recent GPU unless
     `jax.default_matmul_precision('float32')` asks for full float32.
     `block_size`: set A's tile (entries; default 64, 128 on TPU, whose tiles are 128 wide); `band_block_size`: set
@@ -1015,21 +1121,23 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         raise ValueError(f"backend='mosaic' (TPU) needs block sizes that are multiples of 128, got "
                          f"block_size={block_size}, band_block_size={band_block_size}")
     b, t = q.shape[:2]
-    multiplier = jnp.asarray(multiplier, jnp.float32)
-    if multiplier.ndim:
-        multiplier = multiplier[..., None]
-    q = (q.astype(jnp.float32) * multiplier).astype(q.dtype)
+    h = q.shape[2]
+    if isinstance(multiplier, (int, float, np.floating, np.integer)):
+        scale, per_query = float(multiplier), ()
+    else:  # an array, which may be traced (a learned temperature): per query and head, an operand of the kernels
+        scale, per_query = None, (jnp.broadcast_to(jnp.asarray(multiplier, jnp.float32), (b, t, h)),)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
-    settings = Settings(block_size, band_block_size, window, sink, softcap, t, backend, num_warps or default_warps,
-                        num_stages or default_stages, *_sets)
+    settings = Settings(block_size, band_block_size, window, sink, softcap, scale, t, backend,
+                        num_warps or default_warps, num_stages or default_stages, *_sets)
 
-    def kernel(q, k, v, membership, segment_ids):
+    def kernel(q, k, v, *arrays):
+        *m, membership, segment_ids = arrays
         p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size, max_groups))(membership, segment_ids)
-        return _attention(q, k, v, p, settings)
+        return _attention(q, k, v, m[0] if m else None, p, settings)
 
-    return per_shard(kernel, q, k, v, (membership, segment_ids), mesh=mesh)
+    return per_shard(kernel, q, k, v, (membership, segment_ids), head_arrays=per_query, mesh=mesh)
 
 
 def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, softcap=None, block_size=None,

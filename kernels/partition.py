@@ -79,11 +79,13 @@ def _shard_map(fn, mesh, context, in_specs, out_specs):
     return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def per_shard(kernel, q, k, v, token_arrays, *, mesh=None, batch_axes=BATCH_AXES, head_axes=HEAD_AXES):
-    """`kernel(q, k, v, *token_arrays)` run once per shard of `mesh`, batch over `batch_axes` and heads over
-    `head_axes` (see `layout`).
+def per_shard(kernel, q, k, v, token_arrays, *, head_arrays=(), mesh=None, batch_axes=BATCH_AXES,
+              head_axes=HEAD_AXES):
+    """`kernel(q, k, v, *head_arrays, *token_arrays)` run once per shard of `mesh`, batch over `batch_axes` and
+    heads over `head_axes` (see `layout`).
 
-    q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, `token_arrays`: arrays whose first dimension is the
+    q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, `head_arrays`: arrays `[B, T, H, ...]` split as q (a
+    multiplier per query and head `[B, T, H]`), `token_arrays`: arrays whose first dimension is the
     batch (per-token ids `[B, T]`, membership `[B, T, K]`, ...), split with the batch; the kernel returns
     `[B, T, H, Dv]`. The kernel must treat every (batch row, query head) independently and map query head h to kv
     head `h // (H // Hk)` (the GQA convention). `mesh`: a `Mesh` / `AbstractMesh`, or None for the mesh of the
@@ -94,13 +96,14 @@ def per_shard(kernel, q, k, v, token_arrays, *, mesh=None, batch_axes=BATCH_AXES
     b, h, hk = q.shape[0], q.shape[2], k.shape[2]
     split = layout(mesh, b, h, hk, batch_axes=batch_axes, head_axes=head_axes)
     if not (split.batch or split.heads):
-        return kernel(q, k, v, *token_arrays)
+        return kernel(q, k, v, *head_arrays, *token_arrays)
     if split.kv_repeat > 1:
         k, v = (x.repeat(split.kv_repeat, axis=2) for x in (k, v))
     heads = P(split.batch, None, split.heads, None)
+    per_head = [P(split.batch, None, split.heads, *(None,) * (x.ndim - 3)) for x in head_arrays]
     tokens = [P(split.batch, *(None,) * (x.ndim - 1)) for x in token_arrays]
-    specs = (heads, heads, heads, *tokens)
-    args = (q, k, v, *token_arrays)
+    specs = (heads, heads, heads, *per_head, *tokens)
+    args = (q, k, v, *head_arrays, *token_arrays)
     if getattr(mesh, "explicit_axes", ()):  # sharding in types: shard_map wants the operands laid out as asked
         args = tuple(jax.sharding.reshard(x, s) for x, s in zip(args, specs))
     return _shard_map(kernel, mesh, context, specs, heads)(*args)

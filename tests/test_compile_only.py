@@ -131,15 +131,15 @@ def _temp_bytes(fn, seq_len, device):
     return compile_only.compile_for(fn, q, q, q, membership, device=device).memory_analysis().temp_size_in_bytes
 
 
-@needs_cuda
 @needs_libtpu
-def test_the_tpu_form_needs_no_more_memory_than_the_gpu_form(h200):
-    """Forward + backward at 4K tokens: the Mosaic kernels' temporary memory on a v5e stays within that of the same
-    kernels' Triton form on the H200 (33 vs 97 MiB), whose `[B, H, rows, 1]` per-row statistics are not padded.
-    Laid out so on a TPU, whose (8, 128) tiles pad them 128 times, they needed 261 MiB."""
-    temp = {backend: _temp_bytes(bench._fused_grad(backend), 4096, device)
-            for backend, device in (("mosaic", compile_only.tpu_device("v5e:2x2")), ("triton", h200))}
-    assert temp["mosaic"] <= temp["triton"], temp
+def test_the_tpu_form_keeps_its_per_row_statistics_small():
+    """Forward + backward at 4K tokens: the Mosaic kernels' temporary memory on a v5e stays within four activations
+    `[B, T, H, D]` (it is 33 MiB, about two: the copies gathered into entry order that the TPU form keeps). With
+    the per-row statistics laid out as the GPU form's own blocks, columns `[B, H, rows, 1]`, which a TPU's (8, 128)
+    tiles pad 128 times, it was 261 MiB."""
+    temp = _temp_bytes(bench._fused_grad("mosaic"), 4096, compile_only.tpu_device("v5e:2x2"))
+    activation = 4096 * bench.COMPILE_HEADS * bench.COMPILE_DIM * 2  # bf16
+    assert temp <= 4 * activation, (temp / 2 ** 20, activation / 2 ** 20)
 
 
 @needs_cuda

@@ -120,6 +120,41 @@ def test_top1_with_tokens_in_no_group(backend):
     assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
 
 
+@pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
+def test_the_multiplier_is_applied_inside_the_kernels(backend):
+    """The logits' multiplier is applied to the float32 scores inside the kernels, and to dq and dk there: a number
+    (the scale and a constant temperature: dense, focal and Focus attention) as a setting, a per-query array (a
+    learned temperature) as an operand, whose gradient the dq kernels compute. Nothing of q's size is multiplied
+    outside them (at 16K compiled for an H200 the scaling of q and of dq read and wrote 0.13 GB each); the
+    decomposed path, which scales q, is the control. Numerics of a number against the reference with a softcap, a
+    sink, segments and GQA (`test_focus_kernel_matches_reference` has per-query arrays); v's head dim differs from
+    q's so that only q-sized products are counted."""
+    t, d = 45, 16
+    q, k, _ = rand_qkv(30, 2, t, 4, 2, d)
+    v = jax.random.normal(jax.random.key(31), (2, t, 2, 8))
+    membership = random_membership(32, 2, t, 3, 1)
+    segment_ids = (jnp.arange(t)[None] >= jnp.array([[0], [20]])).astype(jnp.int32)
+    blocks = {"block_size": 16, "band_block_size": 16} if backend == GPU_FORM else {}
+    settings = dict(window=4, sink=3, softcap=20.0, segment_ids=segment_ids)
+    expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, temperature=0.4, **settings)
+    kernel = lambda q, k, v, multiplier=d ** -0.5 / 0.4: ks.focus_sparse_pallas(
+        q, k, v, membership, multiplier=multiplier, backend=backend, max_groups=1, **blocks, **settings)
+    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5, what=f"a number ({backend})")
+    assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"a number ({backend})")
+
+    def products_of_q_size(attend, *multiplier):
+        loss = lambda q, k, v, *m: jnp.sum(attend(q, k, v, *m))
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(3 + len(multiplier)))))(q, k, v, *multiplier).jaxpr
+        return [eqn for eqn, _ in traced_equations(jaxpr)
+                if eqn.primitive.name == "mul" and eqn.outvars[0].aval.shape == q.shape]
+
+    assert products_of_q_size(kernel) == []
+    assert products_of_q_size(kernel, jnp.full((2, t, 4), d ** -0.5 / 0.4)) == []
+    decomposed = lambda q, k, v, temperature: focus_sparse_attention(
+        q, k, v, membership, temperature=temperature, impl="decomposed", block_size=16, max_groups=1, **settings)
+    assert products_of_q_size(decomposed, jnp.full((2, t, 4), 0.4))
+
+
 def test_bf16_inputs_accumulate_in_float32():
     t = 64
     q, k, v = rand_qkv(5, 1, t, 4, 2, 16)
