@@ -10,8 +10,9 @@ The allowed pairs of `focal_jax.attention.focus_mask` split as in `focal_jax.att
      order: query block `i` visits the key blocks of `[i * block - window, (i + 1) * block)` plus the sink blocks.
 
 Each kernel program owns one block of one head and walks the blocks it pairs with, with an online softmax in the
-forward pass; the two sets are merged per token by log-sum-exp. A key block whose pairs are all allowed (*full*:
-one group, one segment, strictly earlier, no multi-group query) skips the element mask. The backward pass
+forward pass; the two sets are merged per token by log-sum-exp (on GPUs with one entry per token inside set B's
+forward kernel, `_in_token_order`). A key block whose pairs are all allowed (*full*: one group, one segment,
+strictly earlier, no multi-group query) skips the element mask. The backward pass
 (`jax.custom_vjp`) recomputes each block from the merged log-sum-exp: a dq kernel per query block and a dk / dv
 kernel per key block (walking the query blocks that visit it, its scores transposed, `[keys, queries]`), each
 accumulating in float32 and writing its block in the inputs' dtype; a token's parts (its entries, gathered by
@@ -347,8 +348,9 @@ def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, 
 
 
 def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, sink, n_tokens,
-                 scale, softcap):
-    """Set B forward for one query token block of one head."""
+                 scale, softcap, set_a=()):
+    """Set B forward for one query token block of one head; with `set_a` (`_after_set_a`) merged with set A's
+    results of the same tokens (`_with_entries`)."""
     i = pl.program_id(2)
     q_block, q_pos, scale = q[...], _positions(i, block, own=True), _own_scale(scale)
 
@@ -362,14 +364,30 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
     walked = (k, v, k_segment, k_words)
     sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
     carry = _walk(0, sink_end, step, _empty_carry(*o.shape), walked)
-    _finish(_walk(band_start, band_end + 1, step, carry, walked), o, lse)
+    carry = _walk(band_start, band_end + 1, step, carry, walked)
+    _finish(_with_entries(carry, *set_a) if set_a else carry, o, lse)
 
 
 def _after_set_a(kernel, n, has_entry, *refs, **settings):
-    """Runs a set-B backward `kernel` on `refs[n:]` with `set_a=(has_entry, *refs[:n])`: set A's gradients of its
-    program's own tokens, in token order, read where `has_entry` (`_own_vectors`, a column [n, 1]: the token has a
-    set-A entry), which the kernel adds to its own before writing them."""
+    """Runs a set-B `kernel` on `refs[n:]` with `set_a=(has_entry, *refs[:n])`: set A's results for its program's
+    own tokens, read where `has_entry` (`_own_vectors`, a column [n, 1]: in the backward nonzero where the token has
+    a set-A entry, and set A's gradients in token order, which the kernel adds to its own before writing them; in
+    the forward the token's entry, E for none, and set A's out and lse gathered by it, `_with_entries`)."""
     return kernel(*refs[n:], set_a=(has_entry, *refs[:n]), **settings)
+
+
+def _with_entries(carry, entry, out, lse):
+    """The forward's online-softmax carry of a block of tokens (set B) merged with set A's results for their
+    entries: `entry` (`_own_vectors`: a column `[n, 1]`, E for none), `out [n, Dv]` and `lse [n, 1]` read at
+    those entries (`_Rows`; a token without one reads the last row, a padding entry whenever some token lacks an
+    entry, and is masked all the same)."""
+    acc, m, l = carry
+    has_entry = entry[0] < out.ref.shape[0]
+    lse_a = jnp.where(has_entry, lse[...], NEG_INF)
+    m_new = jnp.maximum(m, lse_a)
+    correction, weight = jnp.exp(m - m_new), jnp.where(has_entry, jnp.exp(lse_a - m_new), 0.0)
+    out_a = jnp.where(has_entry, out[...].astype(jnp.float32), 0.0)
+    return acc * correction + weight * out_a, m_new, l * correction + weight
 
 
 def _plus(acc, has_entry, part):
@@ -909,8 +927,9 @@ def _band_kwargs(s: Settings):
     return dict(block=s.band_block, window=s.window, sink=s.sink, n_tokens=s.n_tokens, **_logit_kwargs(s))
 
 
-def _band_forward(q, k, v, m, p: Plan, s: Settings):
-    """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token (`m` as `_group_forward`'s)."""
+def _band_forward(q, k, v, m, p: Plan, s: Settings, set_a=()):
+    """Set B: out `[B, Tp, H, Dv]`, lse `[B, H, Tp]` per token (`m` as `_group_forward`'s); with `set_a`, set A's
+    results `(out [B, E, H, Dv], lse [B, H, E])` (`_in_token_order`), merged with them inside the kernel."""
     b, _, h, _ = q.shape
     g, dv, tp = h // k.shape[2], v.shape[-1], p.token_segment.shape[1]
     qp, kp, vp = (_pad_rows(x, tp) for x in (q, k, v))
@@ -922,6 +941,13 @@ def _band_forward(q, k, v, m, p: Plan, s: Settings):
                _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
     scale = None if m is None else _stat_operand(_per_row(m, p, s, entries=False), s, s.band_block)
     kernel, inputs, outputs = _multiplied(functools.partial(_band_kernel, **_band_kwargs(s)), inputs, outputs, scale)
+    if set_a:
+        out_a, lse_a = set_a
+        entry = jnp.pad(p.token_entries[..., :1], ((0, 0), (0, tp - s.n_tokens), (0, 0)),
+                        constant_values=p.entry_token.shape[1])
+        inputs = [_own_ids(entry, s, s.band_block), _Operand(out_a, "token", entries="own"),
+                  _Operand(lse_a[..., None], "head", entries="own"), *inputs]
+        kernel = functools.partial(_after_set_a, kernel, 2)
     out, lse = _call(kernel, inputs, outputs, (b, h, tp // s.band_block), s, "focus_band", s.band_block)
     return _row_major(out, s), lse.reshape(b, h, tp)
 
@@ -943,13 +969,17 @@ def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
 
 
 def _attention_fwd(q, k, v, m, p: Plan, s: Settings):
-    b, _, h = q.shape[:3]
+    b, t, h = q.shape[:3]
     dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
-    empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
-    out_a, lse_a = _group_forward(q, k, v, m, p, s) if s.groups else empty(e)
-    out_b, lse_b = _band_forward(q, k, v, m, p, s) if s.band else empty(tp)
-    out, lse = _merge(p, s, out_a, lse_a, out_b, lse_b)
-    out = out.astype(v.dtype)
+    if _in_token_order(p, s):
+        out, lse = _band_forward(q, k, v, m, p, s, set_a=_group_forward(q, k, v, m, p, s))
+        out, lse = out[:, :t], lse.transpose(0, 2, 1)[:, :t]
+    else:
+        empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
+        out_a, lse_a = _group_forward(q, k, v, m, p, s) if s.groups else empty(e)
+        out_b, lse_b = _band_forward(q, k, v, m, p, s) if s.band else empty(tp)
+        out, lse = _merge(p, s, out_a, lse_a, out_b, lse_b)
+        out = out.astype(v.dtype)
     return out, (q, k, v, m, p, out, lse)
 
 
@@ -961,10 +991,12 @@ def _attention(q, k, v, m, p: Plan, settings: Settings):
 
 
 def _in_token_order(p: Plan, s: Settings) -> bool:
-    """Whether set A's backward kernels write their gradients in token order and set B's add them to theirs (GPUs,
-    one entry per token, both sets): no return to token order or sum of the two outside the kernels. Else set A's
-    gradients are per entry. (The forward keeps set A's results per entry: scattering them cost its kernel the
-    registers of a second program per SM, `BENCHMARKS.md`.)"""
+    """Whether the two sets meet inside set B's kernels (GPUs, one entry per token, both sets): set B's forward
+    kernel reads set A's output and log-sum-exp at its tokens' entries and merges them with its own, and set A's
+    backward kernels write their gradients in token order, which set B's add to theirs; no merge, return to token
+    order or sum outside the kernels. Else set A's results and gradients are per entry, merged and summed by XLA.
+    (Set A's forward results stay per entry: scattering them to token order cost its kernel the registers of a
+    second program per SM, `BENCHMARKS.md`.)"""
     return s.backend not in TPU_BACKENDS and p.token_entries.shape[-1] == 1 and s.groups and s.band
 
 
@@ -1125,7 +1157,12 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     if isinstance(multiplier, (int, float, np.floating, np.integer)):
         scale, per_query = float(multiplier), ()
     else:  # an array, which may be traced (a learned temperature): per query and head, an operand of the kernels
-        scale, per_query = None, (jnp.broadcast_to(jnp.asarray(multiplier, jnp.float32), (b, t, h)),)
+        multiplier = jnp.asarray(multiplier, jnp.float32)
+        try:
+            scale, per_query = None, (jnp.broadcast_to(multiplier, (b, t, h)),)
+        except ValueError:
+            raise ValueError(f"multiplier must be a number or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
+                             f"got shape {multiplier.shape}") from None
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
