@@ -893,17 +893,24 @@ def _multiplied(kernel, inputs, outputs, scale, d_scale=None):
 
 def _per_row(m, p: Plan, s: Settings, entries: bool):
     """The per-query multiplier `m [B, T, H]` at set A's entries (`entries`) or set B's padded tokens, as the
-    per-row statistic `[B, H, rows]`."""
+    per-row statistic `[B, H, rows]`; None (a number, a setting of the kernels) stays None."""
+    if m is None:
+        return None
     return (_by_entry(m, p, s) if entries else _pad_rows(m, p.token_segment.shape[1])).transpose(0, 2, 1)
 
 
-def _multiplier_operands(m_rows, s: Settings, block):
-    """A dq kernel's per-query multiplier `m_rows [B, H, rows]` (or None: a number) and its gradient's output, as
-    operands of a program's own block."""
-    if m_rows is None:
-        return None, None
-    return (_stat_operand(m_rows, s, block),
-            _stat_operand(jax.ShapeDtypeStruct(m_rows.shape, jnp.float32), s, block))
+def _multiplier_operand(m_rows, s: Settings, block=None):
+    """The per-query multiplier `m_rows [B, H, rows]` (`_per_row`) as a kernel operand, a program's own block or
+    walked (`_stat_operand`); None stays None."""
+    return None if m_rows is None else _stat_operand(m_rows, s, block)
+
+
+def _gradient_output(operand):
+    """A dq kernel's output for the gradient of its own block's multiplier `operand`: float32, laid out alike;
+    None stays None."""
+    if operand is None:
+        return None
+    return operand._replace(array=jax.ShapeDtypeStruct(operand.array.shape, jnp.float32))
 
 
 def _group_forward(q, k, v, m, p: Plan, s: Settings):
@@ -917,7 +924,7 @@ def _group_forward(q, k, v, m, p: Plan, s: Settings):
               _walked_ids(ids), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, e, h, dv), v.dtype), s, s.block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, e), jnp.float32), s, s.block)]
-    scale = None if m is None else _stat_operand(_per_row(m, p, s, entries=True), s, s.block)
+    scale = _multiplier_operand(_per_row(m, p, s, entries=True), s, s.block)
     kernel, inputs, outputs = _multiplied(functools.partial(_group_kernel, **_logit_kwargs(s)), inputs, outputs, scale)
     out, lse = _call(kernel, inputs, outputs, (b, h, e // s.block), s, "focus_group", s.block)
     return _row_major(out, s), lse.reshape(b, h, e)
@@ -939,7 +946,7 @@ def _band_forward(q, k, v, m, p: Plan, s: Settings, set_a=()):
               _activation(vp, s, heads_per_kv=g), _walked_ids(segment), _walked_ids(words)]
     outputs = [_activation(jax.ShapeDtypeStruct((b, tp, h, dv), v.dtype), s, s.band_block),
                _stat_operand(jax.ShapeDtypeStruct((b, h, tp), jnp.float32), s, s.band_block)]
-    scale = None if m is None else _stat_operand(_per_row(m, p, s, entries=False), s, s.band_block)
+    scale = _multiplier_operand(_per_row(m, p, s, entries=False), s, s.band_block)
     kernel, inputs, outputs = _multiplied(functools.partial(_band_kernel, **_band_kwargs(s)), inputs, outputs, scale)
     if set_a:
         out_a, lse_a = set_a
@@ -970,11 +977,11 @@ def _merge(p: Plan, s: Settings, out_a, lse_a, out_b, lse_b):
 
 def _attention_fwd(q, k, v, m, p: Plan, s: Settings):
     b, t, h = q.shape[:3]
-    dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
     if _in_token_order(p, s):
         out, lse = _band_forward(q, k, v, m, p, s, set_a=_group_forward(q, k, v, m, p, s))
         out, lse = out[:, :t], lse.transpose(0, 2, 1)[:, :t]
     else:
+        dv, e, tp = v.shape[-1], p.entry_token.shape[1], p.token_segment.shape[1]
         empty = lambda rows: (jnp.zeros((b, rows, h, dv), v.dtype), jnp.full((b, h, rows), -jnp.inf))
         out_a, lse_a = _group_forward(q, k, v, m, p, s) if s.groups else empty(e)
         out_b, lse_b = _band_forward(q, k, v, m, p, s) if s.band else empty(tp)
@@ -1026,14 +1033,15 @@ def _group_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, token_orde
     info, grid = _Operand(p.block_info, "table"), (b, h, e // block)
     gradient = lambda c, dtype: (_Operand(jax.ShapeDtypeStruct((b, tp, h, c), dtype), "token", entries="own")
                                  if token_order else _activation(jax.ShapeDtypeStruct((b, e, h, c), dtype), s, block))
-    m_a = None if m is None else _per_row(m, p, s, entries=True)
+    m_a = _per_row(m, p, s, entries=True)
+    scale = _multiplier_operand(m_a, s, block)
     query_blocks = [_own_ids(x, s, block) for x in (ids, lower)] + [
         _entry_rows(x, p, s, block) for x in (q, do)] + [_stat_operand(x, s, block) for x in (lse_a, delta_a)]
     kernel, inputs, outputs = _multiplied(
         functools.partial(_group_dq_kernel, **_logit_kwargs(s)),
         [_Operand(p.first_key_block, "table"), info, *query_blocks, _entry_rows(k, p, s, heads_per_kv=g),
          _entry_rows(v, p, s, heads_per_kv=g), _walked_ids(ids), _walked_ids(words)], [gradient(d, q.dtype)],
-        *_multiplier_operands(m_a, s, block))
+        scale, _gradient_output(scale))
     dq, *d_scale = _call(kernel, inputs, outputs, grid, s, "focus_group_dq", block)
     walked_queries = [_entry_rows(x, p, s) for x in (q, do)] + [_stat_operand(x, s) for x in (lse_a, delta_a)] + [
         _walked_ids(x) for x in (ids, lower)]
@@ -1041,7 +1049,7 @@ def _group_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, token_orde
         functools.partial(_group_dkv_kernel, **_logit_kwargs(s)),
         [_Operand(p.last_query_block, "table"), info, _own_ids(ids, s, block), _own_ids(words, s, block),
          _entry_rows(k, p, s, block, g), _entry_rows(v, p, s, block, g), *walked_queries],
-        [gradient(d, k.dtype), gradient(dv, v.dtype)], None if m is None else _stat_operand(m_a, s))
+        [gradient(d, k.dtype), gradient(dv, v.dtype)], _multiplier_operand(m_a, s))
     dk, dvv = _call(kernel, inputs, outputs, grid, s, "focus_group_dkv", block)
     d_scale = _token_major(d_scale[0].reshape(b, h, e).transpose(0, 2, 1), p, s) if d_scale else 0.0
     if token_order:
@@ -1065,11 +1073,12 @@ def _band_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, set_a=()):
     set_a_dq, set_a_dkv = ([_Operand(x, "token") for x in parts] for parts in (set_a[:1], set_a[1:]))
     query_blocks = own_ids + [_activation(x, s, block) for x in (qp, dop)] + [
         _stat_operand(x, s, block) for x in (lse_b, delta_b)]
-    m_b = None if m is None else _per_row(m, p, s, entries=False)
+    m_b = _per_row(m, p, s, entries=False)
+    scale = _multiplier_operand(m_b, s, block)
     kernel, inputs, outputs = _multiplied(
         functools.partial(_band_dq_kernel, **_band_kwargs(s)),
         [*query_blocks, _activation(kp, s, heads_per_kv=g), _activation(vp, s, heads_per_kv=g),
-         *(_walked_ids(x) for x in ids)], [gradient(d, q.dtype)], *_multiplier_operands(m_b, s, block))
+         *(_walked_ids(x) for x in ids)], [gradient(d, q.dtype)], scale, _gradient_output(scale))
     inputs, kernel, aliases = _with_set_a(inputs, kernel, p, s, set_a_dq)
     dq, *d_scale = _call(kernel, inputs, outputs, grid, s, "focus_band_dq", block, aliases)
     walked_queries = [_activation(x, s) for x in (qp, dop)] + [_stat_operand(x, s) for x in (lse_b, delta_b)] + [
@@ -1077,7 +1086,7 @@ def _band_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, set_a=()):
     kernel, inputs, outputs = _multiplied(
         functools.partial(_band_dkv_kernel, n_blocks=tp // block, **_band_kwargs(s)),
         [*own_ids, _activation(kp, s, block, g), _activation(vp, s, block, g), *walked_queries],
-        [gradient(d, k.dtype), gradient(dv, v.dtype)], None if m is None else _stat_operand(m_b, s))
+        [gradient(d, k.dtype), gradient(dv, v.dtype)], _multiplier_operand(m_b, s))
     inputs, kernel, aliases = _with_set_a(inputs, kernel, p, s, set_a_dkv)
     dk, dvv = _call(kernel, inputs, outputs, grid, s, "focus_band_dkv", block, aliases)
     token_major = lambda x: _row_major(x, s)[:, :t].astype(jnp.float32)
