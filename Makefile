@@ -52,7 +52,8 @@ reproduce: $(VENV)/.installed
 # second environment, .venv-compile, has the project without extras and adds jaxlib's CUDA plugin and libtpu (of
 # jax's version), ptxas and cuDNN. tests/test_packaging.py runs there too: every module imports without the extras.
 # `python -m focal_jax.bench compile` run there prints the kernels' registers, spills, shared memory and memory.
-# In 2 processes (libtpu loaded by each): 7 min 52 s instead of 8 min 45 s on 2 CPU cores.
+# In 2 processes (libtpu loaded by each; the tests that read one program compiled at 4K tokens in the same one,
+# `--dist loadgroup`): 5 min 7 s on 2 CPU cores.
 VENV_COMPILE := .venv-compile
 $(VENV_COMPILE)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV_COMPILE)
@@ -65,7 +66,7 @@ $(VENV_COMPILE)/.installed: setup.py
 
 compile-check: $(VENV_COMPILE)/.installed
 	JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(VENV_COMPILE)/bin/python -m pytest -q -rs -n $(TEST_WORKERS) \
-		tests/test_compile_only.py tests/test_packaging.py
+		--dist loadgroup tests/test_compile_only.py tests/test_packaging.py
 
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). What that

@@ -23,15 +23,27 @@ def random_membership(seed, b, t, groups, k):
     return topk_membership(scores, k)
 
 
-def assert_grads_close(reference_fn, kernel_fn, args, atol, what):
-    """Gradients of sum(sin(out)) w.r.t. every argument agree to `atol` relative to the largest reference value
-    (at least 1)."""
-    loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32))))
-    expected = jax.jit(jax.grad(loss(reference_fn), argnums=tuple(range(len(args)))))(*args)
-    got = jax.jit(jax.grad(loss(kernel_fn), argnums=tuple(range(len(args)))))(*args)
-    for name, e, g in zip("qkvt", expected, got):
+def out_and_grads(fn, args):
+    """`fn(*args)` and the gradients of sum(sin(out)) w.r.t. every argument, from one jitted call: the kernels'
+    forward runs once (the primal output of their `custom_vjp` is its forward rule's), which halves what the TPU
+    form's slow interpretation costs."""
+    def loss(*a):
+        out = fn(*a)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
+    grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+    return out, grads
+
+
+def assert_matches(reference_fn, kernel_fn, args, atol, what):
+    """`kernel_fn(*args)` equals `reference_fn(*args)` to `atol`, and the gradients of sum(sin(out)) w.r.t. every
+    argument agree to `atol` relative to the largest reference value (at least 1). Returns the kernel's output."""
+    (expected, expected_grads), (got, got_grads) = out_and_grads(reference_fn, args), out_and_grads(kernel_fn, args)
+    assert_close(got, expected, atol=atol, what=what)
+    for name, e, g in zip("qkvt", expected_grads, got_grads):
         scale = max(1.0, float(jnp.max(jnp.abs(e))))
         assert_close(g, e, atol=atol * scale, what=f"{what} d{name}")
+    return got
 
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -81,10 +93,7 @@ def test_focus_kernel_matches_reference(name, backend):
                                       segment_ids=segment_ids, sink=sink, softcap=softcap, block_size=block,
                                       band_block_size=band_block, backend=backend, max_groups=k)
 
-    what = f"{name} ({backend})"
-    assert_close(jax.jit(kernel)(q, key, v, temperature), jax.jit(expected)(q, key, v, temperature), atol=1e-5,
-                 what=what)
-    assert_grads_close(expected, kernel, (q, key, v, temperature), 1e-5, what)
+    assert_matches(expected, kernel, (q, key, v, temperature), 1e-5, f"{name} ({backend})")
 
 
 def test_arbitrary_membership_and_empty_groups():
@@ -96,8 +105,7 @@ def test_arbitrary_membership_and_empty_groups():
     assert not bool(jnp.all(jnp.any(membership, axis=-1)))  # some tokens belong to no group
     expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=4)
     kernel = lambda q, k, v: focus_sparse_attention(q, k, v, membership, window=4, impl="pallas", block_size=16)
-    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5, what="arbitrary membership")
-    assert_grads_close(expected, kernel, (q, k, v), 1e-5, "arbitrary membership")
+    assert_matches(expected, kernel, (q, k, v), 1e-5, "arbitrary membership")
 
 
 @pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
@@ -116,9 +124,7 @@ def test_top1_with_tokens_in_no_group(backend):
                                                     segment_ids=segment_ids, max_groups=1, backend=backend,
                                                     **({"block_size": 16, "band_block_size": 16}
                                                        if backend == GPU_FORM else {}))
-    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5,
-                 what=f"top-1, tokens in no group ({backend})")
-    assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
+    assert_matches(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
 
 
 @pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
@@ -140,8 +146,7 @@ def test_the_multiplier_is_applied_inside_the_kernels(backend):
     expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, temperature=0.4, **settings)
     kernel = lambda q, k, v, multiplier=d ** -0.5 / 0.4: ks.focus_sparse_pallas(
         q, k, v, membership, multiplier=multiplier, backend=backend, max_groups=1, **blocks, **settings)
-    assert_close(jax.jit(kernel)(q, k, v), jax.jit(expected)(q, k, v), atol=1e-5, what=f"a number ({backend})")
-    assert_grads_close(expected, kernel, (q, k, v), 1e-5, f"a number ({backend})")
+    assert_matches(expected, kernel, (q, k, v), 1e-5, f"a number ({backend})")
     # A traced scalar temperature goes the per-query way: its gradient sums the 360 per-query ones (here -0.26,
     # from terms whose absolute values sum to about 450: float32 cancellation, hence the tolerance).
     per_temperature = lambda attend: jax.jit(jax.grad(lambda t: jnp.sum(jnp.sin(attend(t)))))
@@ -170,11 +175,8 @@ def test_bf16_inputs_accumulate_in_float32():
     expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=8)
     kernel = lambda q, k, v: ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.25, window=8, block_size=16,
                                                     band_block_size=16)
-    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    out = jax.jit(kernel)(*bf16)
+    out = assert_matches(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
     assert out.dtype == jnp.bfloat16
-    assert_close(out, jax.jit(expected)(q, k, v), atol=2e-2, what="bf16 forward")
-    assert_grads_close(expected, lambda *a: kernel(*(x.astype(jnp.bfloat16) for x in a)), (q, k, v), 2e-2, "bf16")
 
 
 @pytest.mark.parametrize("window,backend", [(None, GPU_FORM), (0, GPU_FORM), (7, GPU_FORM), (100, GPU_FORM),
@@ -196,10 +198,8 @@ def test_dense_and_focal_through_the_kernel(window, backend):
                                                    band_block_size=16 if backend == "triton" else 8, backend=backend)
     expected = jax.jit(lambda q, k, v: reference.attention(q, k, v, temperature=0.4, window=window,
                                                            segment_ids=segment_ids))(q, k, v)
-    got = jax.jit(kernel)(q, k, v)
-    assert_close(got, jax.jit(outside)(q, k, v), atol=1e-5, what=f"window={window} vs jax.nn")
+    got = assert_matches(outside, kernel, (q, k, v), 1e-5, f"window={window} vs jax.nn")
     assert_close(got, expected, atol=1e-5, what=f"window={window} vs reference")
-    assert_grads_close(outside, kernel, (q, k, v), 1e-5, f"window={window}")
 
 
 def test_no_intermediate_is_as_large_as_t_squared():
