@@ -52,8 +52,8 @@ reproduce: $(VENV)/.installed
 # second environment, .venv-compile, has the project without extras and adds jaxlib's CUDA plugin and libtpu (of
 # jax's version), ptxas and cuDNN. tests/test_packaging.py runs there too: every module imports without the extras.
 # `python -m focal_jax.bench compile` run there prints the kernels' registers, spills, shared memory and memory.
-# In 2 processes (libtpu loaded by each; the tests that read one program compiled at 4K tokens in the same one,
-# `--dist loadgroup`): 5 min 7 s on 2 CPU cores.
+# In 2 processes (each loads libtpu; `--dist loadgroup` keeps the tests that read the same program compiled at 4K
+# tokens in one of them): 4 to 5 minutes on 2 CPU cores.
 VENV_COMPILE := .venv-compile
 $(VENV_COMPILE)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV_COMPILE)
