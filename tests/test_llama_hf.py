@@ -4,6 +4,7 @@ the Attention module's kinds against those logits, config validation, import err
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from focal_jax.convert.hf import from_hf, to_hf
 from focal_jax.nn.attention import Attention, AttentionConfig
-from focal_jax.nn.layers import rope
+from focal_jax.nn.layers import rope, rope_inverse_frequencies
 from focal_jax.nn.llama import Llama, LlamaConfig, focal_config, param_count
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -276,6 +277,21 @@ def test_unknown_model_type_names_it(llama_dir, tmp_path):
         from_hf(str(tmp_path))
 
 
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "yarn", "factor": 4.0}, r"rope type 'yarn'.*'default'.*'llama3'"),
+    ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5"),
+])
+def test_unsupported_rope_names_it(llama_dir, tmp_path, rope, message):
+    with open(os.path.join(llama_dir[0], "config.json")) as f:
+        config = json.load(f)
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(llama_dir[0], "model.safetensors"), tmp_path)
+    with pytest.raises(ValueError, match=message):
+        from_hf(str(tmp_path))
+
+
 def test_no_safetensors_is_an_error(llama_dir, tmp_path):
     with open(os.path.join(llama_dir[0], "config.json")) as f, open(tmp_path / "config.json", "w") as g:
         g.write(f.read())
@@ -404,13 +420,60 @@ def test_dynamic_ntk_rope_matches_transformers(tmp_path):
     assert_close(hf_logits(reloaded, tokens), hf_logits(hf, tokens), atol=1e-4, what="dynamic NTK to_hf")
 
 
+# Head dim 16, base 500: wavelengths 6.3, 14, 30, 65, 141, 306, 664 and 1,445 tokens, so the llama3 bounds (20 and 80
+# tokens) leave two frequencies unchanged, interpolate two and stretch four.
+SCALED_ROPE = {
+    "linear": ({"factor": 4.0}, dict(rope_linear_factor=4.0)),
+    "llama3": ({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 80},
+               dict(rope_llama3=(8.0, 1.0, 4.0, 80))),
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(SCALED_ROPE))
+def test_scaled_rope_matches_transformers(rope_type, tmp_path):
+    """Hugging Face's 'linear' and 'llama3' rope types (LLaMA 3.1 and later checkpoints): from_hf and to_hf."""
+    hf_fields, fields = SCALED_ROPE[rope_type]
+    config = transformers.LlamaConfig(**COMMON, num_key_value_heads=2, max_position_embeddings=128,
+                                      rope_parameters={"rope_type": rope_type, "rope_theta": 500.0, **hf_fields})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    model = from_hf(str(tmp_path))
+    assert {name: getattr(model.config.attention, name) for name in fields} == fields
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
+    expected = hf_logits(hf, tokens)
+    assert_close(model(jnp.asarray(tokens)), expected, atol=1e-4, what=rope_type)
+    plain = with_attention(model)
+    assert float(np.abs(np.asarray(plain(jnp.asarray(tokens))) - expected).max()) > 1e-2  # the scaling matters
+    to_hf(model, str(tmp_path / "export"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    assert_close(hf_logits(reloaded, tokens), expected, atol=1e-4, what=f"{rope_type} to_hf")
+
+
+def test_llama3_rope_keeps_short_wavelengths_and_stretches_long_ones():
+    plain = np.asarray(rope_inverse_frequencies(16, 500.0))
+    scaled = np.asarray(rope_inverse_frequencies(16, 500.0, llama3=(8.0, 1.0, 4.0, 80)))
+    wavelength = 2 * np.pi / plain
+    short, long = wavelength < 20, wavelength > 80
+    assert (short.sum(), long.sum()) == (2, 4)
+    np.testing.assert_array_equal(scaled[short], plain[short])
+    np.testing.assert_allclose(scaled[long], plain[long] / 8, rtol=1e-6)
+    between = ~short & ~long
+    assert np.all((plain[between] / 8 < scaled[between]) & (scaled[between] < plain[between]))
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(rope_ntk_factor=2.0), "rope_trained_len"),
     (dict(rope_ntk_factor=0.0, rope_trained_len=16), "rope_ntk_factor"),
     (dict(rope_ntk_factor=2.0, rope_trained_len=0), "rope_trained_len"),
     (dict(rope_ntk_factor=2.0, rope_trained_len=16, rope_theta=None), "rope_theta"),
+    (dict(rope_linear_factor=-1.0), "rope_linear_factor"),
+    (dict(rope_linear_factor=2.0, rope_ntk_factor=2.0, rope_trained_len=16), "at most one RoPE scaling"),
+    (dict(rope_llama3=(8.0, 1.0, 4.0)), "rope_llama3"),
+    (dict(rope_llama3=(8.0, 4.0, 1.0, 8192)), "low_freq_factor < high_freq_factor"),
+    (dict(rope_llama3=(8.0, 1.0, 4.0, 8192), rope_theta=None), "rope_theta"),
 ])
-def test_dynamic_ntk_config_errors(fields, message):
+def test_rope_scaling_config_errors(fields, message):
     base = dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match=message):
         AttentionConfig(**{**base, **fields})

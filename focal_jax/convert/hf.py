@@ -49,18 +49,28 @@ class _Tensors:
 
 
 def _rope(hf):
-    """RoPE base and the extra attention fields of the checkpoint's rope type: 'default', or 'dynamic' (dynamic
-    NTK scaling past max_position_embeddings)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    """RoPE base and the extra attention fields of the checkpoint's rope type: 'default', 'dynamic' (dynamic NTK
+    scaling past max_position_embeddings), 'linear' or 'llama3' (LLaMA 3.1 and later)."""
+    rope = {**hf, **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # newest format wins
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (rotary "
+                         f"embeddings over the whole head only)")
     if rope_type == "default":
         return theta, {}
     if rope_type == "dynamic":
-        factor = params.get("factor", scaling.get("factor"))
-        return theta, {"rope_ntk_factor": float(factor), "rope_trained_len": int(hf["max_position_embeddings"])}
-    raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' and 'dynamic' RoPE)")
+        return theta, {"rope_ntk_factor": float(rope["factor"]), "rope_trained_len": int(hf["max_position_embeddings"])}
+    if rope_type == "linear":
+        return theta, {"rope_linear_factor": float(rope["factor"])}
+    if rope_type == "llama3":
+        # As transformers: a top-level original_max_position_embeddings wins, then the rope dict's, then max_position.
+        original_len = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                        or hf["max_position_embeddings"])
+        return theta, {"rope_llama3": (float(rope["factor"]), float(rope["low_freq_factor"]),
+                                       float(rope["high_freq_factor"]), int(original_len))}
+    raise ValueError(f"rope type {rope_type!r} is not supported (only 'default', 'dynamic', 'linear' and 'llama3' "
+                     f"RoPE)")
 
 
 def llama_config_from_hf(hf) -> LlamaConfig:
@@ -193,9 +203,15 @@ def _hf_model_type(config: LlamaConfig):
 
 def _rope_parameters(config: LlamaConfig):
     attention = config.attention
-    if attention.rope_ntk_factor is None:
-        return {"rope_type": "default", "rope_theta": config.rope_theta}
-    return {"rope_type": "dynamic", "rope_theta": config.rope_theta, "factor": attention.rope_ntk_factor}
+    if attention.rope_ntk_factor is not None:
+        return {"rope_type": "dynamic", "rope_theta": config.rope_theta, "factor": attention.rope_ntk_factor}
+    if attention.rope_linear_factor is not None:
+        return {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": attention.rope_linear_factor}
+    if attention.rope_llama3 is not None:
+        factor, low, high, original_len = attention.rope_llama3
+        return {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": factor, "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings": original_len}
+    return {"rope_type": "default", "rope_theta": config.rope_theta}
 
 
 def to_hf(model, directory):

@@ -122,6 +122,10 @@ class AttentionConfig:
       gate or mask (Gemma-2 style; FOCUS_SPEC OQ-13).
     rope_ntk_factor, rope_trained_len: dynamic NTK scaling of the RoPE base past `rope_trained_len` tokens
       (`layers.dynamic_ntk_theta`, Hugging Face's 'dynamic' rope type); both None (the default) for plain RoPE.
+    rope_linear_factor: Hugging Face's 'linear' rope type: every rotary frequency divided by this factor.
+    rope_llama3: Hugging Face's 'llama3' rope type (LLaMA 3.1 and later): `(factor, low_freq_factor,
+      high_freq_factor, original_max_position_embeddings)`, e.g. `(8.0, 1.0, 4.0, 8192)`
+      (`layers.rope_inverse_frequencies`). At most one of the three scalings is set.
     tau_mode: the mean of 'focal_learned' (`learned_temperature(mode=...)`, FOCAL_SPEC OQ-F2): 'prefix' (default,
       causal: the running mean over tokens <= i) | 'sequence' (the paper's literal mean over the whole row: tau_i
       sees later tokens, a fidelity ablation; such a layer cannot decode with a KV cache).
@@ -160,6 +164,8 @@ class AttentionConfig:
     window: int | None = None
     rope_ntk_factor: float | None = None
     rope_trained_len: int | None = None
+    rope_linear_factor: float | None = None
+    rope_llama3: tuple[float, float, float, int] | None = None
     softcap: float | None = None
 
     def __post_init__(self):
@@ -191,9 +197,8 @@ class AttentionConfig:
         if (self.rope_ntk_factor is None) != (self.rope_trained_len is None):
             raise ValueError(f"rope_ntk_factor and rope_trained_len go together, got rope_ntk_factor="
                              f"{self.rope_ntk_factor!r}, rope_trained_len={self.rope_trained_len!r}")
+        self._check_rope_scaling()
         if self.rope_ntk_factor is not None:
-            if self.rope_theta is None:
-                raise ValueError(f"rope_ntk_factor={self.rope_ntk_factor!r} needs rotary embeddings (rope_theta)")
             _positive("rope_ntk_factor", self.rope_ntk_factor)
             _int("rope_trained_len", self.rope_trained_len, 1)
         if self.softcap is not None:
@@ -220,6 +225,25 @@ class AttentionConfig:
         if self.impl == "decomposed" and (self.kind not in FOCUS_KINDS or self.focus_topk is None):
             raise ValueError(f"impl='decomposed' is the hard Focus path: it needs kind in {FOCUS_KINDS} and "
                              f"focus_topk set, got kind={self.kind!r}, focus_topk={self.focus_topk!r}")
+
+    def _check_rope_scaling(self):
+        scalings = [name for name in ("rope_ntk_factor", "rope_linear_factor", "rope_llama3")
+                    if getattr(self, name) is not None]
+        if scalings and self.rope_theta is None:
+            raise ValueError(f"{scalings[0]}={getattr(self, scalings[0])!r} needs rotary embeddings (rope_theta)")
+        if len(scalings) > 1:
+            raise ValueError(f"at most one RoPE scaling can be set, got {', '.join(scalings)}")
+        if self.rope_linear_factor is not None:
+            _positive("rope_linear_factor", self.rope_linear_factor)
+        if self.rope_llama3 is not None:
+            llama3 = self.rope_llama3
+            if (not isinstance(llama3, (tuple, list)) or len(llama3) != 4
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in llama3)
+                    or not llama3[1] < llama3[2]):
+                raise ValueError(f"rope_llama3 must be (factor, low_freq_factor, high_freq_factor, "
+                                 f"original_max_position_embeddings), positive numbers with low_freq_factor < "
+                                 f"high_freq_factor, got rope_llama3={llama3!r}")
+            object.__setattr__(self, "rope_llama3", tuple(llama3))  # a list from a config file stays hashable
 
 
 def check_decodable(config: AttentionConfig):
@@ -340,7 +364,8 @@ class Attention(nnx.Module):
             if c.rope_ntk_factor is not None:
                 theta = dynamic_ntk_theta(theta, positions, c.head_dim, factor=c.rope_ntk_factor,
                                           trained_len=c.rope_trained_len)
-            q, k = rope(q, positions, theta), rope(k, positions, theta)
+            scaling = dict(linear_factor=c.rope_linear_factor, llama3=c.rope_llama3)
+            q, k = rope(q, positions, theta, **scaling), rope(k, positions, theta, **scaling)
         if cache is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")

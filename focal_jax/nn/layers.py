@@ -23,12 +23,36 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(positions, head_dim: int, theta: float):
-    """cos, sin `[B, T, head_dim]` (float32) in the Hugging Face "rotate_half" layout: frequency i of
-    `1 / theta^(2i / head_dim)` sits at both i and i + head_dim / 2."""
+def rope_inverse_frequencies(head_dim: int, theta, *, linear_factor: float | None = None, llama3=None):
+    """The `head_dim / 2` rotary frequencies `1 / theta^(2i / head_dim)` (float32), rescaled as Hugging Face's
+    'linear' rope type (`linear_factor`: every frequency divided by it, i.e. positions compressed by it) or 'llama3'
+    type (`llama3 = (factor, low_freq_factor, high_freq_factor, original_len)`: wavelengths longer than
+    `original_len / low_freq_factor` are stretched by `factor`, those shorter than `original_len /
+    high_freq_factor` kept, the ones between interpolated). `theta` may be a traced scalar.
+
+    Example:
+      >>> [round(float(f), 6) for f in rope_inverse_frequencies(4, 100.0, linear_factor=2.0)]
+      [0.5, 0.05]
+    """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={head_dim}")
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if linear_factor is not None:
+        inv_freq = inv_freq / linear_factor
+    if llama3 is not None:
+        factor, low_freq_factor, high_freq_factor, original_len = llama3
+        wavelength = 2 * jnp.pi / inv_freq
+        smooth = (original_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = jnp.where(wavelength > original_len / low_freq_factor, inv_freq / factor,
+                             jnp.where(wavelength < original_len / high_freq_factor, inv_freq, interpolated))
+    return inv_freq
+
+
+def rope_frequencies(positions, head_dim: int, theta, **scaling):
+    """cos, sin `[B, T, head_dim]` (float32) in the Hugging Face "rotate_half" layout: frequency i of
+    `rope_inverse_frequencies(head_dim, theta, **scaling)` sits at both i and i + head_dim / 2."""
+    inv_freq = rope_inverse_frequencies(head_dim, theta, **scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -54,11 +78,11 @@ def dynamic_ntk_theta(theta, positions, head_dim: int, *, factor: float, trained
     return theta * (factor * length / trained_len - (factor - 1.0)) ** (head_dim / (head_dim - 2))
 
 
-def rope(x, positions, theta: float = 10000.0):
+def rope(x, positions, theta: float = 10000.0, **scaling):
     """Rotary position embedding of `x [B, T, H, D]` at integer `positions [B, T]`, Hugging Face layout:
     `x * cos + rotate_half(x) * sin` (the layout HF LLaMA / Mistral / Qwen / OLMo checkpoints store q and k in,
     so their weights load without a permutation). Computed in float32, returned in x's dtype. `theta` may be a
-    traced scalar (see `dynamic_ntk_theta`).
+    traced scalar (see `dynamic_ntk_theta`); `scaling`: `linear_factor` or `llama3` of `rope_inverse_frequencies`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -70,7 +94,7 @@ def rope(x, positions, theta: float = 10000.0):
         raise ValueError(f"x must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
     if tuple(positions.shape) != x.shape[:2]:
         raise ValueError(f"positions must have shape [batch, seq] = {x.shape[:2]}, got shape {positions.shape}")
-    cos, sin = rope_frequencies(positions, x.shape[-1], theta)
+    cos, sin = rope_frequencies(positions, x.shape[-1], theta, **scaling)
     x32 = x.astype(jnp.float32)
     out = x32 * cos[:, :, None] + rotate_half(x32) * sin[:, :, None]
     return out.astype(x.dtype)
