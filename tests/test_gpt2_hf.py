@@ -128,6 +128,32 @@ def test_wrong_shape_names_tensor_and_both_shapes(hf_dir, tmp_path):
         load_gpt2(bad, _config_json(path), dtype=jnp.float32)
 
 
+def test_untied_head_is_refused(hf_dir, tmp_path):
+    """GPT-2 ties its output head to wte; a checkpoint with its own head must not load with that head dropped."""
+    path, _ = hf_dir
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        config_from_hf({**_config_json(path), "tie_word_embeddings": False})
+    tensors = load_file(str(path / "model.safetensors"))
+    wte = tensors["transformer.wte.weight"]
+    (tmp_path / "same").mkdir(), (tmp_path / "other").mkdir()
+    same = _rewrite(path, tmp_path / "same", lambda t: t.update({"lm_head.weight": wte.copy()}))
+    load_gpt2(same, _config_json(path))  # a stored copy of the tied head is fine
+    other = _rewrite(path, tmp_path / "other", lambda t: t.update({"lm_head.weight": wte + 1.0}))
+    with pytest.raises(ValueError, match="lm_head.weight differs from its wte.weight"):
+        load_gpt2(other, _config_json(path))
+
+
+def test_token_ids_and_positions_out_of_range(hf_dir):
+    model = load_gpt2(hf_dir[0], _config_json(hf_dir[0]))
+    with pytest.raises(ValueError, match=rf"tokens must be in \[0, {VOCAB}\), got values from -1 to 5"):
+        model(jnp.array([[3, 5, -1]]))
+    with pytest.raises(ValueError, match=rf"positions must be in \[0, {N_POS}\), got values from 0 to {N_POS}"):
+        model(jnp.array([[3, 5]]), positions=jnp.array([[0, N_POS]]))
+    # Under jit the ids are not known: an id out of range gives NaN rather than wrapping around to the last row.
+    logits = _logits(model, np.array([[3, 5, -1]]))
+    assert np.isnan(logits[0, 2]).all()
+
+
 def test_bad_config_names_the_field(hf_dir):
     path, _ = hf_dir
     with pytest.raises(ValueError, match="n_heads"):

@@ -142,6 +142,42 @@ def test_to_hf_paper_model_and_errors(tmp_path, tokens):
         to_hf(Llama(focal_config("tiny", qkv_bias=True), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
 
 
+def test_to_hf_takes_token_ids_and_files_from_the_source(llama_dir, tmp_path, tokens):
+    source = tmp_path / "source"
+    shutil.copytree(llama_dir[0], source)
+    with open(source / "config.json") as f:
+        config = json.load(f)
+    config.update(bos_token_id=5, eos_token_id=[7, 9], max_position_embeddings=8192)
+    with open(source / "config.json", "w") as f:
+        json.dump(config, f)
+    with open(source / "generation_config.json", "w") as f:
+        json.dump({"bos_token_id": 5, "eos_token_id": [7, 9]}, f)
+    model = from_hf(str(source))
+    to_hf(model, str(tmp_path / "export"), source=str(source))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    assert (reloaded.config.bos_token_id, reloaded.config.eos_token_id) == (5, [7, 9])
+    assert reloaded.config.max_position_embeddings == 8192
+    assert reloaded.generation_config.eos_token_id == [7, 9]
+    assert_close(hf_logits(reloaded, tokens), hf_logits(llama_dir[1], tokens), atol=1e-4, what="to_hf with source")
+    to_hf(model, str(tmp_path / "bare"))  # without a source: transformers' defaults
+    with open(tmp_path / "bare" / "config.json") as f:
+        assert "eos_token_id" not in json.load(f)
+    with pytest.raises(ValueError, match="source=.*no config.json"):
+        to_hf(model, str(tmp_path / "x"), source=str(tmp_path))
+
+
+def test_to_hf_refuses_a_softcap(llama_dir, tmp_path):
+    model = with_attention(from_hf(llama_dir[0]), softcap=30.0)
+    with pytest.raises(ValueError, match=r"softcap=30\.0"):
+        to_hf(model, str(tmp_path))
+
+
+def test_token_ids_out_of_range(llama_dir):
+    model = from_hf(llama_dir[0])
+    with pytest.raises(ValueError, match=rf"tokens must be in \[0, {VOCAB}\), got values from 3 to {VOCAB}"):
+        model(jnp.array([[3, VOCAB]]))
+
+
 def test_jit_through_split_merge(llama_dir, tokens):
     graphdef, state = nnx.split(from_hf(llama_dir[0]))
     forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
@@ -277,19 +313,71 @@ def test_unknown_model_type_names_it(llama_dir, tmp_path):
         from_hf(str(tmp_path))
 
 
-@pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "yarn", "factor": 4.0}, r"rope type 'yarn'.*'default'.*'llama3'"),
-    ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5"),
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn'.*'default'.*'llama3'"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, r"partial_rotary_factor=0\.5"),
+    ({"model_type": "qwen3", "attention_bias": True}, r"qwen3 with attention_bias=True"),
+    ({"mlp_bias": True}, r"mlp_bias=True"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
 ])
-def test_unsupported_rope_names_it(llama_dir, tmp_path, rope, message):
+def test_unsupported_config_names_it(llama_dir, tmp_path, changes, message):
     with open(os.path.join(llama_dir[0], "config.json")) as f:
         config = json.load(f)
-    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    for key, value in changes.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     with open(tmp_path / "config.json", "w") as f:
         json.dump(config, f)
     shutil.copy(os.path.join(llama_dir[0], "model.safetensors"), tmp_path)
     with pytest.raises(ValueError, match=message):
         from_hf(str(tmp_path))
+
+
+def test_safetensors_files_are_chosen_as_transformers_does(llama_dir, tmp_path, tokens):
+    """model.safetensors alone when it exists, else the index's files; other safetensors files beside them (such
+    as Mistral's consolidated.safetensors, in its own tensor names) are not read."""
+    directory, hf = llama_dir
+    single = tmp_path / "single"
+    shutil.copytree(directory, single)
+    save_file({"layers.0.attention.wq.weight": np.zeros((4, 4), np.float32)}, str(single / "consolidated.safetensors"))
+    assert_close(from_hf(str(single))(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what="single file")
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), safe_serialization=True, max_shard_size="20KB")
+    assert not (sharded / "model.safetensors").exists() and (sharded / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wq.weight": np.zeros((4, 4), np.float32)}, str(sharded / "consolidated.safetensors"))
+    assert_close(from_hf(str(sharded))(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what="index")
+    os.remove(next(p for p in sharded.glob("model-*.safetensors")))
+    with pytest.raises(ValueError, match="maps tensors to files that are not in"):
+        from_hf(str(sharded))
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+    make_hf("qwen2", str(tmp_path))  # tie_word_embeddings=True
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, path, metadata={"format": "pt"})
+    from_hf(str(tmp_path))  # a stored copy of the tied head is fine
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tie_word_embeddings=true but an lm_head.weight that differs"):
+        from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize("family, removed", [("olmo2", "rms_norm_eps"), ("mistral", "sliding_window")])
+def test_missing_config_keys_take_transformers_defaults(family, removed, tmp_path, tokens):
+    hf = make_hf(family, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    del config[removed]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    model = from_hf(str(tmp_path))
+    if family == "olmo2":
+        assert model.config.norm_eps == 1e-5
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()  # its eps is the default now
+        assert_close(model(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what="olmo2 default eps")
+    else:
+        assert model.config.attention.window == 4095  # MistralConfig's sliding_window=4096
 
 
 def test_no_safetensors_is_an_error(llama_dir, tmp_path):

@@ -3,7 +3,7 @@
 Hugging Face's GPT-2 uses `Conv1D`, whose weights are stored `[in, out]`, the layout of `nnx.Linear`'s kernel, so no
 transposes are needed. The fused `attn.c_attn` (`[d, 3d]`, bias `[3d]`) is split into q, k, v in that order. Tensor
 names may carry the `transformer.` prefix (`GPT2LMHeadModel`) or not (`GPT2Model`, the original checkpoints); the
-`attn.bias` / `attn.masked_bias` mask buffers and a tied `lm_head.weight` are ignored.
+`attn.bias` / `attn.masked_bias` mask buffers and a tied `lm_head.weight` (equal to `wte.weight`) are ignored.
 
 Parameters that the checkpoint cannot hold (Focus `Centroid`, `Temperature`) keep their fresh initialisation.
 """
@@ -32,7 +32,7 @@ def config_from_hf(config_json: dict, **overrides) -> GPT2Config:
     if model_type != "gpt2":
         raise ValueError(f"load_gpt2 reads model_type 'gpt2', got model_type={model_type!r}")
     unsupported = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                   "scale_attn_weights": True, "add_cross_attention": False}
+                   "scale_attn_weights": True, "add_cross_attention": False, "tie_word_embeddings": True}
     for key, expected in unsupported.items():
         if config_json.get(key, expected) != expected:
             raise ValueError(f"GPT-2 config.json {key}={config_json[key]!r} is not supported (only {expected})")
@@ -63,9 +63,13 @@ def _strip_prefix(tensors: dict) -> tuple[dict, str]:
     out = {}
     for name, array in tensors.items():
         key = name[len("transformer."):] if name.startswith("transformer.") else name
-        if key.endswith(_IGNORED_SUFFIXES) or key == "lm_head.weight":
+        if key.endswith(_IGNORED_SUFFIXES):
             continue
         out[key] = array
+    head = out.pop("lm_head.weight", None)
+    if head is not None and "wte.weight" in out and not np.array_equal(head, out["wte.weight"]):
+        raise ValueError("the checkpoint's lm_head.weight differs from its wte.weight, which a tied GPT-2 uses as "
+                         "its output head (untied GPT-2 heads are not supported)")
     return out, prefix
 
 

@@ -9,6 +9,7 @@ adding an entry. RoPE: Hugging Face stores q and k projections for the "rotate_h
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -78,21 +79,22 @@ def llama_config_from_hf(hf) -> LlamaConfig:
     model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-    if model_type in ("llama", "mistral", "olmo2") and hf.get("attention_bias", False):
+    if model_type in ("llama", "mistral", "qwen3", "olmo2") and hf.get("attention_bias", False):
         raise ValueError(f"{model_type} with attention_bias=True (a bias on o_proj too) is not supported")
     if hf.get("mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
     if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
         raise ValueError(f"{model_type} with use_sliding_window=True (per-layer windows) is not supported")
     n_heads = hf["num_attention_heads"]
-    window = hf.get("sliding_window") if model_type == "mistral" else None
+    window = hf.get("sliding_window", 4096) if model_type == "mistral" else None  # transformers' defaults here
     rope_theta, rope_fields = _rope(hf)
     attn = dict(rope_fields) if window is None else {"window": int(window) - 1, **rope_fields}
     return LlamaConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         intermediate=hf["intermediate_size"], n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, rope_theta=rope_theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2", qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
         post_norm=model_type == "olmo2", attn=attn)
 
@@ -132,8 +134,12 @@ def load_llama(hf, tensors: _Tensors, dtype):
     for variable, name, transpose in llama_tensors(model):
         tensors.assign(variable, name, transpose=transpose, dtype=dtype)
     ignore = ("rotary_emb.inv_freq",)
-    if config.tie_embeddings:
-        ignore += ("lm_head.weight",)  # a tied checkpoint may still store the copy
+    if config.tie_embeddings and "lm_head.weight" in tensors.tensors:  # a tied checkpoint may still store the copy
+        if not np.array_equal(tensors.tensors["lm_head.weight"], tensors.tensors["model.embed_tokens.weight"]):
+            raise ValueError(f"{tensors.directory!r} has tie_word_embeddings=true but an lm_head.weight that differs "
+                             f"from model.embed_tokens.weight; set tie_word_embeddings=false in config.json if the "
+                             f"separate head is meant")
+        ignore += ("lm_head.weight",)
     tensors.check_all_used(ignore)
     return model
 
@@ -214,15 +220,35 @@ def _rope_parameters(config: LlamaConfig):
     return {"rope_type": "default", "rope_theta": config.rope_theta}
 
 
-def to_hf(model, directory):
+# What `to_hf(..., source=...)` takes from the Hugging Face directory a model was loaded from: config.json fields
+# the model's config does not hold, and the files that make the export a complete directory.
+SOURCE_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def to_hf(model, directory, *, source=None):
     """Write a LLaMA-family `Llama` with dense attention as a Hugging Face directory (config.json +
     model.safetensors, parameters in their own dtype) that `transformers.AutoModelForCausalLM.from_pretrained`
     loads. The architecture is llama, mistral (when a sliding window is set), qwen2, qwen3 or olmo2, whichever has
     the model's features.
 
-    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers) and for a
-    model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels first).
+    source: the Hugging Face directory the model was loaded from (`from_hf`), or None. Its special token ids and
+      `max_position_embeddings` (`SOURCE_FIELDS`) go into config.json, and its generation config and tokenizer
+      files (`SOURCE_FILES`) are copied, so that `generate` stops at the right end-of-sequence token. Without it
+      those fields take transformers' defaults.
+
+    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers), for a logit
+    softcap, and for a model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels
+    first).
     """
+    source_config = {}
+    if source is not None:
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise ValueError(f"source={source!r} has no config.json (it should be the Hugging Face directory the "
+                             f"model was loaded from)")
+        with open(os.path.join(source, "config.json")) as f:
+            source_config = {k: v for k, v in json.load(f).items() if k in SOURCE_FIELDS}
     if not isinstance(model, Llama):
         raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama models, got {type(model).__name__}")
     if jax.tree.leaves(nnx.state(model, LoRA)):
@@ -232,6 +258,9 @@ def to_hf(model, directory):
     if config.attention.kind != "dense":
         raise ValueError(f"to_hf needs attention kind 'dense' (transformers has no {config.attention.kind!r} "
                          f"attention), got kind={config.attention.kind!r}")
+    if config.attention.softcap is not None:
+        raise ValueError(f"to_hf cannot export softcap={config.attention.softcap!r}: the LLaMA family of transformers "
+                         f"has no logit softcap")
     model_type = _hf_model_type(config)
     tensors = {name: np.asarray(variable[...]).T if transpose else np.asarray(variable[...])
                for variable, name, transpose in llama_tensors(model)}
@@ -247,10 +276,15 @@ def to_hf(model, directory):
         "sliding_window": None if config.attention.window is None else config.attention.window + 1,
         "torch_dtype": dtype, "dtype": dtype,
     }
+    hf.update(source_config)
     if config.attention.rope_trained_len is not None:
         hf["max_position_embeddings"] = config.attention.rope_trained_len
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    for name in SOURCE_FILES if source is not None else ():
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and not os.path.exists(os.path.join(directory, name)):
+            shutil.copy(path, directory)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})

@@ -203,7 +203,7 @@ class GPT2(nnx.Module):
         if segment_ids is not None and jnp.shape(segment_ids) != (b, t):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
                              f"{jnp.shape(segment_ids)}")
-        x = embed(self.wte, tokens) + embed(self.wpe, positions)
+        x = embed(self.wte, tokens) + embed(self.wpe, positions, what="positions")
         layer_caches = []
         for i, block in enumerate(self.h):
             if cache is None:

@@ -3,6 +3,7 @@ lookup."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -112,12 +113,20 @@ class SwiGLU(nnx.Module):
         return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def embed(table: nnx.Embed, ids):
+def embed(table: nnx.Embed, ids, *, what: str = "tokens"):
     """Rows `ids [...]` of `table`'s embedding `[N, d]` -> `[..., d]`, in the dtype the embedding has now. (Calling
     `nnx.Embed` promotes to the dtype it was built with, so a table cast to bf16 for the forward pass, as the
     trainer's `compute_dtype` does, would give float32 activations, and every layer after it would compute in
-    float32.)"""
-    return jnp.take(table.embedding[...], ids, axis=0)
+    float32.)
+
+    An id outside `[0, N)` is a ValueError naming `what` when `ids` is concrete; under a transformation its row is
+    NaN (a negative id does not wrap around to the end of the table)."""
+    n = table.embedding.shape[0]
+    if not isinstance(ids, jax.core.Tracer):
+        concrete = np.asarray(ids)
+        if concrete.size and (concrete.min() < 0 or concrete.max() >= n):
+            raise ValueError(f"{what} must be in [0, {n}), got values from {concrete.min()} to {concrete.max()}")
+    return jnp.take(table.embedding[...], jnp.where(ids < 0, n, ids), axis=0, mode="fill")
 
 
 def apply_block(block, x, *, positions, segment_ids=None, remat: bool = False):
