@@ -86,6 +86,8 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
     """The `Plan` of one sequence: membership bool `[T, K]`, segment ids int `[T]`; set A in blocks of `block`
     entries (`max_groups` entries per token, default K), set B in blocks of `band_block` tokens."""
     t, k = membership.shape
+    segment_ids = segment_ids.astype(jnp.int32)
+    segment_ids = segment_ids - jnp.min(segment_ids)  # >= 0: padding entries are segment -1 below
     routing = _routing(membership, segment_ids, block, max_groups)
     routing = routing._replace(words=_pad_words(routing.words))
     n_words = routing.words.shape[1]
@@ -116,7 +118,7 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
         entry_lower=lower, first_key_block=first, last_query_block=last.astype(jnp.int32),
         block_info=jnp.stack([uniform.astype(jnp.int32), blocks(group)[:, 0], blocks(segment)[:, 0],
                               jnp.zeros(n_blocks, jnp.int32)]),
-        token_segment=jnp.pad(segment_ids.astype(jnp.int32), (0, tp - t), constant_values=-1),
+        token_segment=jnp.pad(segment_ids, (0, tp - t), constant_values=-1),
         token_words=jnp.pad(routing.words[:t], ((0, tp - t), (0, 0))),
         token_entries=token_entries,
     )
@@ -1168,6 +1170,8 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     else:  # an array, which may be traced (a learned temperature): per query and head, an operand of the kernels
         multiplier = jnp.asarray(multiplier, jnp.float32)
         try:
+            if multiplier.ndim == 2:  # [B, T] would broadcast against [T, H]
+                raise ValueError
             scale, per_query = None, (jnp.broadcast_to(multiplier, (b, t, h)),)
         except ValueError:
             raise ValueError(f"multiplier must be a number or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
@@ -1175,7 +1179,8 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
-    settings = Settings(block_size, band_block_size, window, sink, softcap, scale, t, backend,
+    # A window or sink past the sequence changes nothing; clamped, block bounds computed from it stay in int32.
+    settings = Settings(block_size, band_block_size, min(window, t), min(sink, t), softcap, scale, t, backend,
                         num_warps or default_warps, num_stages or default_stages, *_sets)
 
     def kernel(q, k, v, *arrays):

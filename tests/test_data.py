@@ -181,6 +181,7 @@ def test_score():
     assert score([ex.answer for ex in examples], examples) == 1.0
     assert score([f"  {ex.answer} and more\n" for ex in examples], examples) == 1.0
     assert score(["x" + ex.answer for ex in examples], examples) == 0.0
+    assert score([ex.answer.strip() + "7" for ex in examples], examples) == 0.0  # an extra digit is a wrong number
     assert score([ex.answer if i < 4 else "" for i, ex in enumerate(examples)], examples) == 0.4
     check_raises(lambda: score(["1"], examples), "1 predictions", "10 examples")
 

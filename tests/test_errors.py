@@ -76,6 +76,18 @@ def test_temperature_array_checks():
     check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.full((B, T, H), 0.5).at[0, 3, 1].set(0.0)),
                  "temperature")
     check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.ones((B, T + 1, H))), "temperature")
+    # [B, T] (what learned_temperature returns) would silently broadcast against [T, H] when B = T and T = H
+    check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.ones((B, T))), "temperature")
+    check_raises(lambda: focal_attention(ones(T, T, T, D), ones(T, T, T, D), ones(T, T, T, D),
+                                         temperature=jnp.ones((T, T))), "temperature")
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_integer_inputs_are_refused(fn, which):
+    qkv = {"q": Q, "k": KK, "v": V}
+    qkv[which] = qkv[which].astype(jnp.int32)
+    check_raises(lambda: ATTENTION_FNS[fn](qkv["q"], qkv["k"], qkv["v"]), which, "int32")
 
 
 def test_segment_ids_shape():
@@ -95,6 +107,11 @@ W_TAU = jnp.zeros(6)
 @pytest.mark.parametrize("tau_min,tau_max", [(10.0, 5.0), (5.0, 5.0)])
 def test_tau_min_must_be_below_tau_max(tau_min, tau_max):
     check_raises(lambda: learned_temperature(X, W_TAU, tau_min=tau_min, tau_max=tau_max), "tau_min", tau_min)
+
+
+@pytest.mark.parametrize("tau_min", [0.0, -1.0])
+def test_tau_min_must_be_positive(tau_min):
+    check_raises(lambda: learned_temperature(X, W_TAU, tau_min=tau_min, tau_max=2.0), "tau_min", tau_min)
 
 
 def test_unknown_mode_and_clip():
@@ -128,6 +145,7 @@ def test_sinkhorn_errors():
     check_raises(lambda: sinkhorn(ones(B, T, 0)), "scores")                          # K < 1
     check_raises(lambda: sinkhorn(ones(B, T)), "scores")
     check_raises(lambda: sinkhorn(G, n_iters=0), "n_iters", 0)
+    check_raises(lambda: sinkhorn(G, n_iters=2.0), "n_iters", 2.0)
     check_raises(lambda: sinkhorn(G, unroll=2), "unroll", 2)
     check_raises(lambda: sinkhorn(G, valid=jnp.ones((B, T + 2), bool)), "valid")
 

@@ -129,3 +129,26 @@ def test_gradients_through_routing_sinkhorn_and_gate(gate):
     gc, gw = jax.grad(lambda c, w: jnp.sum(f(c, w) * cot), argnums=(0, 1))(centroids, w_g)
     assert float(jnp.linalg.norm(gc)) > 1e-3 and float(jnp.linalg.norm(gw)) > 1e-3
     assert bool(jnp.all(jnp.isfinite(gc))) and bool(jnp.all(jnp.isfinite(gw)))
+
+
+def test_zero_rows_keep_the_routing_gradient_finite():
+    """A zero hidden state (a padding embedding) or an unused zero centroid scores 0 and, through the norm's
+    gradient at zero, used to fill the whole gradient of W_g and the centroids with NaN."""
+    keys = jax.random.split(jax.random.key(11), 3)
+    x = jax.random.normal(keys[0], (1, 6, 5)).at[0, 2].set(0.0)
+    w_g = jax.random.normal(keys[1], (5, 4))
+    centroids = jax.random.normal(keys[2], (3, 4)).at[1].set(0.0)
+    cot = jax.random.normal(jax.random.key(12), (1, 6, 3))
+
+    def loss(w_g, centroids):
+        return jnp.sum(routing_scores(x, w_g, centroids, tau=0.5) * cot)
+
+    gw, gc = jax.grad(loss, argnums=(0, 1))(w_g, centroids)
+    assert bool(jnp.all(jnp.isfinite(gw))) and bool(jnp.all(jnp.isfinite(gc)))
+    # the zero rows score 0 and add nothing: the gradient of W_g is the reference's without them
+    rows, groups = np.array([0, 1, 3, 4, 5]), np.array([0, 2])
+    want = jax.grad(lambda w: jnp.sum(reference.routing_scores(x[:, rows], w, centroids[groups], tau=0.5)
+                                      * cot[:, rows][:, :, groups]))(w_g)
+    assert_close(gw, want, atol=1e-5)
+    assert_close(gc[groups], jax.grad(lambda c: jnp.sum(reference.routing_scores(x[:, rows], w_g, c, tau=0.5)
+                                                        * cot[:, rows][:, :, groups]))(centroids[groups]), atol=1e-5)

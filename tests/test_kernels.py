@@ -62,7 +62,7 @@ CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head
     "one group": (50, 1, 1, 4, 0, False, 2, 1, 16, None, 16, 8),
     "more groups than tokens (two bitmask words), top-3": (20, 40, 3, 3, 0, False, 2, 2, 16, None, 16, 8),
     "window 0, sink 3, softcap": (45, 3, 1, 0, 3, True, 2, 2, 16, 20.0, 16, 8),
-    "window >= T, head_dim 128": (40, 4, 1, 64, 0, False, 2, 2, 128, None, 16, 16),
+    "window >= T (int32's largest), head_dim 128": (40, 4, 1, 2 ** 31 - 1, 0, False, 2, 2, 128, None, 16, 16),
     "k = K": (33, 3, 3, 2, 0, False, 2, 1, 16, None, 16, 8),
 }
 
@@ -81,7 +81,8 @@ def test_focus_kernel_matches_reference(name, backend):
         block, band_block = max(block, 16), max(band_block, 16)
     q, key, v = rand_qkv(len(name), 2, t, h, hk, d)
     membership = random_membership(1, 2, t, groups, k)
-    segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) if segmented else None
+    # Segment ids -1 and 0: the kernels' plans mark padding with -1, so user ids must not be read as padding.
+    segment_ids = (jnp.arange(t)[None] >= jnp.array([[t // 3], [t // 2]])).astype(jnp.int32) - 1 if segmented else None
     temperature = jax.random.uniform(jax.random.key(2), (2, t, h), minval=0.5, maxval=2.0)
 
     def expected(q, key, v, temperature):

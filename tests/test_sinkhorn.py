@@ -111,7 +111,7 @@ def test_scanned_iterations_give_the_same_values_and_gradients(causal):
     assert float(jnp.max(jnp.abs(d_scanned))) > 0.1  # a gradient to compare
 
 
-@pytest.mark.parametrize("n_iters", [1, 3])
+@pytest.mark.parametrize("n_iters", [1, 3, np.int64(3)])  # a numpy integer, as read from a config array
 def test_sinkhorn_n_iters_matches_reference(n_iters):
     scores = rand_scores(3, spread=4.0)
     assert_close(sinkhorn(scores, n_iters=n_iters), reference.sinkhorn(scores, n_iters=n_iters))

@@ -24,7 +24,7 @@ from focal_jax.nn.attention import record_attention
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.variables import Centroid
-from focal_jax.train import checkpoint, train
+from focal_jax.train import checkpoint, train, trainer
 from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
@@ -272,12 +272,26 @@ def test_cli_sigterm_checkpoints_and_stops(tmp_path, cache_dir):
     assert step is not None and step >= 3 and max(losses(workdir)) == step
 
 
-def test_cli_unknown_override_fails_with_its_name(tmp_path):
-    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path),
-                    "--config.totl_steps=3"])
+@pytest.mark.parametrize("override, message", [("--config.totl_steps=3", "unknown config key totl_steps"),
+                                               ("--config.model.n_layer=1", "unknown config key model.n_layer")])
+def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
+    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path), override])
     output = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0 and "totl_steps" in output
+    assert proc.returncode != 0 and message in output
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_cli_sets_model_fields_the_experiment_leaves_out(tmp_path, cache_dir):
+    """The `model` section holds only what the experiment sets; any LlamaConfig field can still be given."""
+    workdir = str(tmp_path / "run")
+    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
+                    f"--config.data.cache_dir={cache_dir}", "--config.total_steps=1", "--config.eval_batches=0",
+                    "--config.batch_size=8", "--config.model.n_layers=1", "--config.model.remat=True",
+                    "--config.model.attn.softcap=30.0"])
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    model = checkpoint.read_meta(workdir)[1]["config"]["model"]
+    assert (model["n_layers"], model["remat"], model["attn"]["softcap"]) == (1, True, 30.0)
 
 
 def free_port() -> int:
@@ -328,6 +342,62 @@ def test_retrofit_from_own_workdir_trains_centroids_only(tmp_path, cache_dir):
     assert len(param_paths(retro_params)) == len(param_paths(base_params)) + 4
     for path, value in zip(param_paths(base_params), jax.tree.leaves(base_params)):
         np.testing.assert_array_equal(_get(retro_params, path), value, err_msg=path)
+    # The base run goes on training: the retrofit run stays on the base step it was trained from (step 2).
+    assert meta["init_from_step"] == 2
+    train(tiny(cache_dir, total_steps=4), base)
+    later = nnx.to_pure_dict(nnx.state(load_model(base), nnx.Param))
+    path = "layers/0/mlp/up_proj/kernel"
+    assert not np.array_equal(_get(later, path), _get(base_params, path))
+    retro_params = nnx.to_pure_dict(nnx.state(load_model(retro), nnx.Param))
+    for path, value in zip(param_paths(base_params), jax.tree.leaves(base_params)):
+        np.testing.assert_array_equal(_get(retro_params, path), value, err_msg=path)
+    train(tiny(cache_dir, total_steps=5, keep_checkpoints=1), base)  # step 2 is deleted
+    with pytest.raises(ValueError, match=r"has no checkpoint at step=2 \(the step of init_from that this run started "
+                                         r"from;.*\); saved steps: \[5\]"):
+        load_model(retro)
+
+
+def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_dir):
+    """A run from scratch that trains only some parameters saves the frozen ones too: it resumes exactly, and its
+    checkpoints alone rebuild the model."""
+    config = tiny(cache_dir, total_steps=2)
+    config.optim.trainable_regex = "q_proj"
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(config, straight)
+    train(config, resumed, stop_after=1)
+    train(config, resumed)
+    assert losses(resumed) == losses(straight) and sorted(losses(straight)) == [1, 2]
+    # a run stored before 0.6.9 (trainable parameters only) resumes too
+    old = str(tmp_path / "old")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "merge_params", lambda trainable, frozen: trainable)
+        train(config, old, stop_after=1)
+    saved = set(checkpoint.saved_param_paths(old, 1))
+    assert saved == set(checkpoint.read_meta(old)[1]["trainable"]) and all("q_proj" in path for path in saved)
+    old_model = nnx.to_pure_dict(nnx.state(load_model(old), nnx.Param))  # frozen ones: the seed's
+    resumed_model = nnx.to_pure_dict(nnx.state(load_model(resumed, step=1), nnx.Param))
+    for path, value in zip(param_paths(resumed_model), jax.tree.leaves(resumed_model)):
+        np.testing.assert_array_equal(_get(old_model, path), value, err_msg=path)
+    train(config, old)
+    assert losses(old) == losses(straight)
+    start = nnx.to_pure_dict(nnx.state(init_model(check_config(config)), nnx.Param))
+    trained = nnx.to_pure_dict(nnx.state(load_model(straight), nnx.Param))
+    for path, value in zip(param_paths(start), jax.tree.leaves(start)):
+        changed = not np.array_equal(_get(trained, path), value)
+        assert changed == ("q_proj" in path), path
+
+
+def test_a_changed_schedule_on_resume_is_noted(tmp_path, cache_dir, capsys):
+    workdir = str(tmp_path / "run")
+    train(tiny(cache_dir, total_steps=2), workdir)
+    config = tiny(cache_dir, total_steps=3)
+    config.optim.decay_steps = 2  # extended on the stored run's decay: nothing to note
+    train(config, workdir)
+    assert "schedule changed" not in capsys.readouterr().out
+    train(tiny(cache_dir, total_steps=4), workdir)  # the decay now ends at step 4
+    out = capsys.readouterr().out
+    assert "learning-rate schedule changed on resume (total_steps 3 -> 4, optim.decay_steps 2 -> None)" in out
+    assert "--config.optim.decay_steps=2" in out
 
 
 def _get(tree, path):

@@ -15,6 +15,8 @@ def check_qkv(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     b, t, h, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
@@ -81,6 +83,9 @@ def logit_multiplier(q, scale, temperature):
     if isinstance(temperature, (int, float, np.floating, np.integer)):
         return scale / temperature
     temperature = jnp.asarray(temperature)
+    if temperature.ndim == 2:  # [B, T] (what learned_temperature returns) would broadcast against [T, H]
+        raise ValueError(f"temperature of shape {temperature.shape} is ambiguous: give a per-query temperature as "
+                         f"[batch, seq, 1] (tau[:, :, None]) or [batch, seq, heads] = {(b, t, h)}")
     try:
         temperature = jnp.broadcast_to(temperature, (b, t, h))
     except ValueError:

@@ -106,7 +106,8 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
 
     Args:
       q: `[B, T, H, D]`; k: `[B, S, Hk, D]`; v: `[B, S, Hk, Dv]`, with Hk dividing H (GQA).
-      temperature: a float > 0, or an array broadcastable to `[B, T, H]` (one per query and head). `t < 1`
+      temperature: a float > 0, or an array broadcastable to `[B, T, H]` (one per query and head; a 2-D array is
+        refused as ambiguous: give `[B, T, 1]`). `t < 1`
         sharpens (the paper's best is 0.4); `t = 1` is exactly `dot_product_attention`. For the learned
         temperature pass `scale=1.0, temperature=tau[:, :, None]`, so tau replaces `sqrt(D)`.
       scale: logit scale, default `1/sqrt(D)`.
@@ -116,7 +117,9 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
       softcap: None, or cap the scaled logits as `softcap * tanh(logits / softcap)` (Gemma-2 style).
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32).
+      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32). With bf16 inputs the products keep bf16
+      operands through a `jax.custom_vjp` (see `einsum_f32`): `jax.grad` works, forward mode (`jax.jvp`) does
+      not; cast to float32 for it.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -196,6 +199,7 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         raise ValueError(f"x must have shape [batch, seq, d_model], got shape {x.shape}")
     if w_tau.shape != (x.shape[-1],):
         raise ValueError(f"w_tau must have shape [d_model] = ({x.shape[-1]},), got shape {w_tau.shape}")
+    _validate.check_positive("tau_min", tau_min)  # tau divides the logits
     if not tau_min < tau_max:
         raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
     _validate.check_choice("mode", mode, ("prefix", "sequence"))

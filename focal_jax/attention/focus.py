@@ -50,9 +50,14 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
     projected = h.astype(jnp.float32) @ w_g.astype(jnp.float32)
     centroids = centroids.astype(jnp.float32)
     if normalize:
-        projected = projected / jnp.maximum(jnp.linalg.norm(projected, axis=-1, keepdims=True), 1e-6)
-        centroids = centroids / jnp.maximum(jnp.linalg.norm(centroids, axis=-1, keepdims=True), 1e-6)
+        projected, centroids = _unit_rows(projected), _unit_rows(centroids)
     return projected @ centroids.T / tau
+
+
+def _unit_rows(x):
+    """`x / max(|x|, 1e-6)` row-wise, with a finite gradient at a zero row (that of `jnp.linalg.norm` is NaN there,
+    and a zero input row or centroid would fill the whole router's gradient with NaN)."""
+    return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
 
 
 def _check_sink(sink):
@@ -194,11 +199,12 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       softcap: None, or `softcap * tanh(logits / softcap)` on the scaled logits.
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
-        O(T * block) memory, differentiable), or `'pallas'` (the same two sets as block-sparse Pallas kernels with
+        O(T * block) memory), or `'pallas'` (the same two sets as block-sparse Pallas kernels with
         the masks computed inside from token ids, forward and backward; Triton on GPU, Mosaic on TPU, interpret
         mode on CPU; see `focal_jax.kernels.focus_sparse`). Under a `jax.set_mesh(mesh)` context the kernels run
         per shard (`shard_map`: batch over the mesh's 'data' / 'fsdp' axes, heads over 'tensor'); without one,
-        as they are.
+        as they are. `'decomposed'` and `'pallas'` define their own backward pass (`jax.custom_vjp`): `jax.grad`
+        works, forward mode (`jax.jvp`, `jax.hessian`) and second derivatives do not; use `'reference'` for those.
       block_size: tile size of `'decomposed'` (default 128) and of `'pallas'`'s group set (a power of two; default
         64, and 128 on TPU, where it must be a multiple of 128).
       max_groups: `'decomposed'` and `'pallas'`: at most this many groups per token (the k of `topk_membership`),

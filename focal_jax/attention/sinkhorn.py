@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from focal_jax.attention import _validate
 from focal_jax.attention.segments import prefix_over_runs, segment_labels, segment_runs, total_over_labels
@@ -59,7 +60,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     b, t, k = scores.shape
     if k < 1:
         raise ValueError(f"scores must have at least one group (K >= 1), got K={k}")
-    if isinstance(n_iters, bool) or not isinstance(n_iters, int) or n_iters < 1:
+    if isinstance(n_iters, bool) or not isinstance(n_iters, (int, np.integer)) or n_iters < 1:
         raise ValueError(f"n_iters must be an integer >= 1, got n_iters={n_iters!r}")
     if not isinstance(unroll, bool):
         raise ValueError(f"unroll must be True or False, got unroll={unroll!r}")

@@ -176,17 +176,23 @@ def make_examples(task: str, n: int, seed: int, **kwargs) -> list[Example]:
 
 def score(predictions: list[str], examples: list[Example]) -> float:
     """Exact-match accuracy in [0, 1]: a prediction counts if, whitespace-stripped, it starts with the answer
-    (whitespace-stripped too: the leading space of a `frequent_words` answer is not required).
+    (whitespace-stripped too: the leading space of a `frequent_words` answer is not required) and the answer is not
+    followed by a letter or digit.
 
     `predictions[i]` is the model's continuation of `examples[i].prompt`; text after the answer is ignored (the
-    model need not stop), so a `frequent_words` prediction 'moon, rain' is right when the answer is ' moon'.
+    model need not stop), so a `frequent_words` prediction 'moon, rain' is right when the answer is ' moon', but
+    '12345' is wrong when the answer is '1234'.
 
-    >>> score(['1234 and more', ' 99'], [Example('a=', '1234'), Example('b=', '12')])
-    0.5
+    >>> score(['1234 and more', ' 99', '12345'], [Example('a=', '1234'), Example('b=', '12'), Example('c=', '1234')])
+    0.3333333333333333
     """
     if len(predictions) != len(examples):
         raise ValueError(f"got {len(predictions)} predictions for {len(examples)} examples")
     if not examples:
         raise ValueError("score needs at least one example, got none")
-    hits = [p.strip().startswith(ex.answer.strip()) for p, ex in zip(predictions, examples)]
+    hits = [_matches(p.strip(), ex.answer.strip()) for p, ex in zip(predictions, examples)]
     return sum(hits) / len(hits)
+
+
+def _matches(prediction: str, answer: str) -> bool:
+    return prediction.startswith(answer) and not prediction[len(answer):len(answer) + 1].isalnum()

@@ -11,8 +11,10 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+# New keys are accepted here (the `model` section holds only the fields an experiment sets, yet any LlamaConfig /
+# GPT2Config field may be given, e.g. --config.model.remat=True); `check_config` then rejects unknown ones by name.
 config_flags.DEFINE_config_file("config", None, "experiment config file, e.g. experiments/quickstart.py:runlocal",
-                                lock_config=True)
+                                lock_config=False, accept_new_attributes=True)
 flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and plots (resumed if it holds a run)")
 flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"],
                   "call jax.distributed.initialize(): 'auto' when the environment describes several processes")

@@ -68,6 +68,16 @@ def saved_steps(workdir: str) -> list[int]:
     return sorted(make_manager(workdir, create=False).all_steps())
 
 
+def require_step(workdir: str, step: int | None, why: str = ""):
+    """ValueError naming the saved steps unless `workdir` keeps checkpoint `step` (None: nothing to check)."""
+    if step is None:
+        return
+    saved = saved_steps(workdir)
+    if step not in saved:
+        raise ValueError(f"{workdir!r} has no checkpoint at step={step}{f' ({why})' if why else ''}; saved steps: "
+                         f"{saved}")
+
+
 def saved_param_paths(workdir: str, step: int) -> dict[str, tuple]:
     """`{path: shape}` of the parameters saved in a workdir's checkpoint `step` (read from metadata only)."""
     manager = make_manager(workdir, create=False)

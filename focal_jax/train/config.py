@@ -196,8 +196,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 
 # Keys (dotted) that may change when a run resumes from its own workdir (everything else must match the stored
 # config).
-RESUMABLE_CHANGES = ("total_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-                     "mesh", "data.prefetch")
+RESUMABLE_CHANGES = ("total_steps", "optim.decay_steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
+                     "keep_checkpoints", "mesh", "data.prefetch")
 # Keys (dotted) added after runs were stored: a stored config without one equals the key at this default.
 ADDED_KEYS = {"balance_weight": 0.0, "data.eval_paths": [], "data.streaming": False, "data.shard_by": "file",
               "data.shuffle_window": 0, "data.interleave": 1, "data.prefetch": 2}

@@ -123,6 +123,20 @@ def split_trainable(model, config: OptimConfig):
     return graphdef, trainable, frozen
 
 
+def merge_params(a: dict, b: dict) -> dict:
+    """The nested pure dicts `a` and `b` (e.g. the trainable and frozen parts of `split_trainable`) as one."""
+    merged = dict(a)
+    for key, value in b.items():
+        merged[key] = merge_params(merged[key], value) if key in merged and isinstance(value, dict) else value
+    return merged
+
+
+def select_params(tree: dict, like: dict) -> dict:
+    """The part of the nested pure dict `tree` at the paths of `like` (the inverse of `merge_params`)."""
+    return {key: select_params(tree[key], value) if isinstance(value, dict) else tree[key]
+            for key, value in like.items()}
+
+
 def param_paths(tree) -> list[str]:
     """Sorted parameter paths of a (pure dict or State) pytree."""
     return sorted(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])

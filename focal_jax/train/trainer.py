@@ -26,8 +26,8 @@ from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import DTYPES, RunConfig, check_config, config_differences
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
-from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, param_paths, path_str,
-                                       split_trainable)
+from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
+                                       select_params, split_trainable)
 from focal_jax.train.plot import plot_losses
 from focal_jax.train.sharding import data_parallel_size, make_mesh, shard_batch, tree_shardings
 
@@ -38,16 +38,16 @@ def log(message: str):
         print(message, flush=True)
 
 
-def build_model(run: RunConfig, *, seed: int):
+def build_model(run: RunConfig, *, seed: int, base_step: int | None = None):
     """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
-    holds: a Hugging Face directory, or a focal_jax run directory (the whole model of that run, rebuilt from its own
-    base with its retrofits and trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging
-    Face directory)."""
+    holds: a Hugging Face directory, or a focal_jax run directory (the whole model of that run at its checkpoint
+    `base_step`, default the latest, rebuilt from its own base with its retrofits and trained parameters: e.g. phase
+    2 of a retrofit whose phase 1 started from a Hugging Face directory)."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
             return from_hf(run.init_from)
         log(f"model: the model of the run {run.init_from}")
-        return load_model(run.init_from)
+        return load_model(run.init_from, step=base_step)
     cls = GPT2 if run.family == "gpt2" else Llama
     return cls(run.model, rngs=nnx.Rngs(seed))
 
@@ -58,11 +58,16 @@ def new_param_paths(model) -> set[str]:
     return set(param_paths(nnx.state(model, NEW_TYPES)))
 
 
+BASE_STEP_GONE = ("the step of init_from that this run started from; the base run may have deleted it as it went "
+                  "on, keeping keep_checkpoints steps")
+
+
 def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | None = None):
     """Copy the parameters of a focal_jax workdir's latest checkpoint (or of checkpoint `step`) into `model` in
     place. Parameters the checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself
     started from a pretrained model (trainable parameters only) first loads its own `init_from` (unless
     `with_base=False`: the model already holds it). Returns the model."""
+    checkpoint.require_step(workdir, step)
     step, meta = checkpoint.read_meta(workdir, step)
     if meta.get("params_scope") == "trainable" and with_base:
         base = meta.get("init_from")
@@ -71,7 +76,8 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
         if checkpoint.is_hf_directory(base):
             raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}; start from it with "
                              f"model.family='hf' and init_from={workdir!r} (the architecture then comes from that run)")
-        load_pretrained(model, base)
+        checkpoint.require_step(base, meta.get("init_from_step"), BASE_STEP_GONE)
+        load_pretrained(model, base, step=meta.get("init_from_step"))
     saved = checkpoint.saved_param_paths(workdir, step)
     state = nnx.state(model, nnx.Param)
     shapes = {path_str(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
@@ -83,7 +89,9 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     if wrong:
         raise ValueError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
     missing = set(shapes) - set(saved)
-    if meta.get("params_scope") != "trainable":
+    # with_base=False: the model holds the run's base, or (a run from scratch stored before 0.6.9, which saved its
+    # trainable parameters only) the frozen parameters drawn from the run's seed
+    if meta.get("params_scope") != "trainable" and with_base:
         undeclared = sorted(missing - new_param_paths(model))
         if undeclared:
             raise ValueError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
@@ -93,21 +101,34 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     shardings = jax.tree.map(lambda x: x.sharding, loaded)
     values = checkpoint.load_params(workdir, step, loaded, shardings)
     nnx.update(model, values)
-    new = sorted(missing) if meta.get("params_scope") != "trainable" else []  # else the rest is the run's base
+    new = sorted(missing) if meta.get("params_scope") != "trainable" and with_base else []  # else the model's own
     log(f"loaded {len(saved)} parameters of {workdir} (step {step})"
         + (f"; new: {new[:4]}{' ...' if len(new) > 4 else ''}" if new else ""))
     return model
 
 
-def init_model(run: RunConfig):
+def pinned_base_step(run: RunConfig, meta: dict | None = None) -> int | None:
+    """The checkpoint step of the focal_jax run `init_from` that `run` starts from: the one its checkpoint `meta`
+    records, else (a new run, or one stored before steps were recorded) the latest; None when `init_from` is not a
+    focal_jax run. A run stays on that step while the base run goes on training."""
+    if not run.init_from or checkpoint.is_hf_directory(run.init_from):
+        return None
+    if meta is not None and meta.get("init_from_step") is not None:
+        return meta["init_from_step"]
+    return checkpoint.read_meta(run.init_from)[0]
+
+
+def init_model(run: RunConfig, *, base_step: int | None = None):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
-    pretrained `init_from` workdir's parameters, then the retrofits (Focal, Focus, then LoRA: `retrofit` hands a
-    `LoRAConfig` to `focal_jax.nn.lora.add_lora`)."""
-    model = build_model(run, seed=run.seed)
+    pretrained `init_from` workdir's parameters (of its checkpoint `base_step`, default the latest), then the
+    retrofits (Focal, Focus, then LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`)."""
+    if base_step is not None:
+        checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
+    model = build_model(run, seed=run.seed, base_step=base_step)
     if run.init_from and run.family != "hf":
         if checkpoint.is_hf_directory(run.init_from):
             raise ValueError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
-        load_pretrained(model, run.init_from)
+        load_pretrained(model, run.init_from, step=base_step)
     for change in run.retrofit:
         model = retrofit(model, change, rngs=run.seed)
     return model
@@ -116,12 +137,10 @@ def init_model(run: RunConfig):
 def load_model(workdir: str, *, step: int | None = None):
     """The model of a focal_jax run directory with the parameters of its latest checkpoint, or of checkpoint
     `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one."""
-    if step is not None:
-        saved = checkpoint.saved_steps(workdir)
-        if step not in saved:
-            raise ValueError(f"{workdir!r} has no checkpoint at step={step}; saved steps: {saved}")
+    checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
-    model = init_model(check_config(ml_collections.ConfigDict(meta["config"])))  # holds the run's init_from
+    run = check_config(ml_collections.ConfigDict(meta["config"]))
+    model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
     return load_pretrained(model, workdir, with_base=False, step=step)
 
 
@@ -259,6 +278,21 @@ def evaluate(eval_step, trainable, frozen, batches, mesh) -> dict:
     return result
 
 
+def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
+    """Say so when a resumed run's learning rate after `step` differs from what the stored run would have used:
+    `total_steps` and `optim.decay_steps` may change on resume, and the cosine decay ends at `decay_steps`
+    (default `total_steps`)."""
+    stored_total = stored_config["total_steps"]
+    stored_optim = dataclasses.replace(run.optim, decay_steps=stored_config.get("optim", {}).get("decay_steps"))
+    before = float(learning_rate_schedule(stored_optim, stored_total)(step))
+    now = float(learning_rate_schedule(run.optim, run.total_steps)(step))
+    if not np.isclose(before, now, rtol=1e-6, atol=0.0):
+        log(f"note: the learning-rate schedule changed on resume (total_steps {stored_total} -> {run.total_steps}, "
+            f"optim.decay_steps {stored_optim.decay_steps} -> {run.optim.decay_steps}): step {step + 1} trains at lr "
+            f"{now:.3g} where the stored run would have used {before:.3g}. To extend a run on its old decay, set "
+            f"--config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
+
+
 class StopSignal:
     """Remembers a SIGTERM (preemption) so that the loop saves a checkpoint and stops at the next step."""
 
@@ -295,10 +329,10 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         raise ValueError(f"batch_size={run.batch_size} must be a multiple of the data-parallel size "
                          f"{data_parallel_size(mesh)} (mesh {dict(mesh.shape)})")
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
-    resume_step = manager.latest_step()
+    resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
-        _, meta = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(meta["config"], checkpoint.config_json(config))
+        _, stored = checkpoint.read_meta(workdir, resume_step)
+        diffs = config_differences(stored["config"], checkpoint.config_json(config))
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
@@ -310,7 +344,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
 
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
-    model = init_model(run)
+    init_from_step = pinned_base_step(run, stored)
+    model = init_model(run, base_step=init_from_step)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -335,17 +370,28 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(trainable)
 
     # ---------------------------------------------------------------- Resume
+    # A run from a pretrained model saves its trainable parameters only; a run from scratch saves them all (the
+    # frozen ones too), so that its checkpoints alone rebuild the model.
+    def saved_params(trainable):
+        return trainable if run.init_from else merge_params(trainable, frozen)
+
     data_iter = train_iterator(data)
     start_step = 0
     if resume_step is not None:
-        trainable, opt_state, data_state, _ = checkpoint.restore(
-            manager, resume_step, params=trainable, opt_state=opt_state, params_sharding=trainable_sharding,
-            opt_sharding=opt_sharding)
+        # (runs from scratch stored before 0.6.9 saved their trainable parameters only; the frozen ones are the seed's)
+        with_frozen = not run.init_from and set(param_paths(frozen)) <= set(
+            checkpoint.saved_param_paths(workdir, resume_step))
+        params, opt_state, data_state, _ = checkpoint.restore(
+            manager, resume_step, params=merge_params(trainable, frozen) if with_frozen else trainable,
+            opt_state=opt_state, opt_sharding=opt_sharding,
+            params_sharding=merge_params(trainable_sharding, frozen_sharding) if with_frozen else trainable_sharding)
+        trainable = select_params(params, trainable)
         data_iter.set_state(data_state)
         start_step = resume_step
         log(f"resumed from {checkpoint.checkpoint_dir(workdir)} at step {start_step}")
+        warn_if_schedule_changed(stored["config"], run, resume_step)
     manager.close()
-    meta = {"config": checkpoint.config_json(config), "init_from": run.init_from,
+    meta = {"config": checkpoint.config_json(config), "init_from": run.init_from, "init_from_step": init_from_step,
             "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable)}
 
     # ---------------------------------------------------------------- Compiled steps
@@ -372,8 +418,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         if run.total_steps == 0 and resume_step is None:  # a zero-shot baseline: the starting model, evaluated, saved
             if eval_batches:
                 writer.write(0, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
-            checkpoint.save(manager, 0, params=trainable, opt_state=opt_state, data_state=data_iter.get_state(),
-                            meta={**meta, "step": 0}, force=True)
+            checkpoint.save(manager, 0, params=saved_params(trainable), opt_state=opt_state,
+                            data_state=data_iter.get_state(), meta={**meta, "step": 0}, force=True)
         for step in range(start_step + 1, run.total_steps + 1):
             batch = shard_batch(next(data_iter), mesh)
             trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, batch)
@@ -396,7 +442,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
 
             stopping = stop.received or step == stop_after or manager.reached_preemption(step)
             if step % run.ckpt_every == 0 or step == run.total_steps or stopping:
-                checkpoint.save(manager, step, params=trainable, opt_state=opt_state,
+                checkpoint.save(manager, step, params=saved_params(trainable), opt_state=opt_state,
                                 data_state=data_iter.get_state(), meta={**meta, "step": step}, force=True)
             if stopping:
                 log(f"stopping at step {step} ({'SIGTERM' if stop.received else 'requested'}); checkpoint saved")
