@@ -212,7 +212,8 @@ def test_tokenizer_special_ids_and_exact_round_trip(small_tokenizer):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.text(max_size=60))
+# (U+2581 decodes as a space: see the tokenizer's docstring)
+@given(st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\u2581"), max_size=60))
 def test_tokenizer_round_trips_any_text(small_tokenizer, text):
     assert small_tokenizer.decode(small_tokenizer.encode(text)) == text
 

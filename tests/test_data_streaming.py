@@ -363,6 +363,11 @@ def test_stream_errors(tmp_path, tokenizer_path, cache_dir):
     missing_eval = str(tmp_path / "no_eval*.jsonl")
     check_raises(lambda: build(config(pattern, None, tokenizer=tokenizer_path, eval_paths=missing_eval)),
                  missing_eval, error=FileNotFoundError)
+    part = pattern.replace("*", "part001")  # a training file given as evaluation file too
+    overlapping = config(pattern, None, tokenizer=tokenizer_path, eval_paths=part)
+    for cfg in (overlapping, dataclasses.replace(overlapping, streaming=False, prefetch=2)):
+        check_raises(lambda: build(cfg), "both match 1 file(s)", part)
+    assert expand_paths((pattern, part, pattern)) == expand_paths((pattern,))  # a file matched twice is read once
 
     # no documents at all: named at build time, with or without a tokenizer to train
     empty = tmp_path / "empty"
@@ -382,6 +387,12 @@ def test_stream_errors(tmp_path, tokenizer_path, cache_dir):
     (bad / "y.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "\xff\xfe"}\n')
     it = train_iterator(build(config(str(bad / "y.jsonl"), None, tokenizer=tokenizer_path, eval_fraction=0.0)))
     check_raises(lambda: next(it), str(bad / "y.jsonl"), "line 3", "utf-8")
+    (bad / "s.jsonl").write_text('{"text": "fine"}\n{"text": "half an emoji \\ud83d"}\n')  # valid JSON, not text
+    it = train_iterator(build(config(str(bad / "s.jsonl"), None, tokenizer=tokenizer_path, eval_fraction=0.0)))
+    check_raises(lambda: next(it), str(bad / "s.jsonl"), "line 2", "unpaired surrogate")
+    (bad / "z.array_record").write_bytes(b"not an array record file" * 40)
+    check_raises(lambda: build(config(str(bad / "z.array_record"), None, tokenizer=tokenizer_path)),
+                 str(bad / "z.array_record"), "not a readable ArrayRecord file")
     if os.geteuid() != 0:  # root reads anything
         locked = bad / "locked.jsonl"
         locked.write_text('{"text": "secret"}\n')
@@ -401,6 +412,29 @@ def test_stream_errors(tmp_path, tokenizer_path, cache_dir):
     # no held-out documents
     no_eval = build(config(pattern, None, tokenizer=tokenizer_path, eval_fraction=0.0))
     check_raises(lambda: no_eval.eval_batches(1), "no evaluation documents", "eval_paths")
+    # shuffled among several readers, a reader that can never find a document gives up after 20 epochs per reader
+    check_raises(lambda: build(config(str(one), None, tokenizer=tokenizer_path, eval_fraction=0.0, shuffle=True,
+                                      shard_by="document"), process_index=1, process_count=2),
+                 "empty document stream", "40 epochs in a row", "fewer documents than readers")
+
+
+def test_a_reader_with_an_empty_epoch_goes_on(tmp_path, tokenizer_path):
+    """Shuffled among two readers, an empty file is some epochs' only file of a reader: that epoch is empty, and the
+    reader goes on to the next (it used to stop training with 'empty document stream')."""
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    for name, docs in (("a", words(6, 1)), ("b", words(6, 2)), ("c", [])):
+        (directory / f"{name}.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    cfg = config(str(directory / "*.jsonl"), None, tokenizer=tokenizer_path, eval_fraction=0.0, shuffle=True,
+                 interleave=2)
+    it = train_iterator(build(cfg, global_batch=2))
+    batches = [next(it) for _ in range(200)]
+    positions = it.get_state()["positions"]
+    plan = streaming.train_plan(cfg, sorted(expand_paths(cfg.paths)), seed=0, process_index=0, process_count=1)
+    empty = [(epoch, reader) for reader in (0, 1) for epoch in range(positions[reader]["epoch"])
+             if [plan.files[i] for _, i in plan.epoch_files(epoch, reader)] == [str(directory / "c.jsonl")]]
+    assert empty, "no reader met an empty epoch: the test needs more steps"
+    assert all(np.any(batch["segment_ids"] > 0, axis=1).all() for batch in batches)  # no empty rows
 
 
 @pytest.mark.parametrize("settings, needles", [

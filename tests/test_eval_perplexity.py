@@ -188,6 +188,28 @@ def test_bad_arguments_name_the_value(model):
         pair_counts(jnp.ones((1, 4, K)), 1, window=1, method="fast")
     with pytest.raises(ValueError, match=r"lacks key\(s\) \['targets'\]"):
         evaluate_model(model, [{"inputs": batch["inputs"], "loss_mask": batch["loss_mask"]}])
+    # ids outside the vocabulary: NaN logits in the jitted forward; a target scored as the logits' log-sum-exp
+    for key, value in (("inputs", VOCAB), ("targets", VOCAB), ("targets", -1)):
+        bad = {**batch, key: batch[key].copy()}
+        bad[key][0, 1] = value
+        with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id {value}, outside .*\[0, {VOCAB}\)"):
+            evaluate_model(model, [bad])
+    unscored = {**batch, "targets": batch["targets"].copy()}
+    unscored["targets"][1, -1] = -1  # a target the loss mask leaves out may be anything
+    assert unscored["loss_mask"][1, -1] == 0
+    evaluate_model(model, [unscored])
+
+
+def test_rows_within_the_window_report_no_distant_share(model):
+    """Rows of at most window + 1 tokens hold no distant pair: the share retained is undefined ('-'), not 0%."""
+    tokens = np.random.default_rng(4).integers(1, VOCAB, (2, WINDOW + 1)).astype(np.int32)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "loss_mask": np.ones(tokens.shape, np.float32)}
+    rows = topk_table(model, [batch], topk=[1])
+    hard = rows[1]
+    assert hard["pairs_retained"] == 1.0 and hard["distant_retained"] is None
+    assert hard["distant_retained_per_layer"] == [None, None]
+    assert format_table(rows).splitlines()[3].split(" | ")[5] == "-"
 
 
 FOCUS_ATTN = {"kind": "focus", "focus_groups": 3, "focus_window": 8, "focus_iters": 3}

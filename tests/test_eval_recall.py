@@ -30,6 +30,8 @@ MODELS = {
     "dense": ({}, True),
     "soft_focus_noncausal": (FOCUS, False),
     "hard_focus_causal": ({**FOCUS, "focus_topk": 1, "focus_causal": True}, True),
+    # the RoPE base grows past 4 tokens: each prompt's own, whatever the others in its batch
+    "dense_dynamic_ntk": ({"rope_ntk_factor": 4.0, "rope_trained_len": 4}, False),
 }
 
 
@@ -251,6 +253,29 @@ def test_with_rope_ntk_equals_a_model_built_with_it():
     gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=8, d_model=16, n_layers=1, n_heads=2), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="rope_ntk_factor=2.0 needs rotary embeddings"):
         recall.with_rope_ntk(gpt2, 2.0, trained_len=8)
+
+
+def test_dynamic_ntk_gives_each_sequence_its_own_base():
+    """A sequence's logits under dynamic NTK RoPE are those it has alone, when right-padded next to a longer one
+    (padding a segment of its own) or packed with it; the base used to come from the batch's largest position."""
+    model = _llama({"rope_ntk_factor": 4.0, "rope_trained_len": 4})
+    rng = np.random.default_rng(3)
+    short, long = rng.integers(0, VOCAB, 6), rng.integers(0, VOCAB, 11)
+    alone = [model(jnp.asarray([doc], jnp.int32))[0] for doc in (short, long)]
+    padded = np.stack([np.pad(short, (0, 5)), long]).astype(np.int32)
+    positions = np.broadcast_to(np.arange(11), (2, 11))
+    segment_ids = np.array([[1] * 6 + [0] * 5, [1] * 11])
+    batched = model(jnp.asarray(padded), positions=jnp.asarray(positions), segment_ids=jnp.asarray(segment_ids))
+    np.testing.assert_allclose(batched[0, :6], alone[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(batched[1], alone[1], atol=1e-5, rtol=0)
+    packed = model(jnp.asarray(np.concatenate([short, long])[None], jnp.int32),
+                   positions=jnp.asarray(np.concatenate([np.arange(6), np.arange(11)])[None]),
+                   segment_ids=jnp.asarray([[1] * 6 + [2] * 11]))
+    np.testing.assert_allclose(packed[0, :6], alone[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(packed[0, 6:], alone[1], atol=1e-5, rtol=0)
+    # without segment ids the row is one sequence of 11 positions: its base is a longer sequence's
+    unsegmented = model(jnp.asarray(padded), positions=jnp.asarray(positions))
+    assert not np.allclose(unsegmented[0, :6], alone[0], atol=1e-3)
 
 
 def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, capsys):

@@ -180,6 +180,10 @@ def test_bad_inputs_are_named():
         model(_tokens(length=2), cache=cache)
     with pytest.raises(ValueError, match="model"):
         generate(object(), _tokens(length=3), max_new_tokens=2)
+    vocab = model.config.vocab_size
+    for bad in (vocab, -3):  # in the jit they gave NaN logits, and token 0 ever after
+        with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+            generate(model, jnp.asarray([[1, bad]], jnp.int32), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("attn, setting", [

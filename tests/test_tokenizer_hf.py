@@ -187,3 +187,26 @@ def test_directory_without_a_tokenizer_names_both_files(tmp_path):
             load_experiment(name, f"runlocal,hf={tmp_path}")
     with pytest.raises(FileNotFoundError, match=r"neither tokenizer\.model .* nor tokenizer\.json"):
         workdir_tokenizer(str(tmp_path))
+
+
+def test_truncation_and_padding_saved_in_the_file_are_ignored(tmp_path):
+    """A tokenizer.json saved with truncation or padding on would cut or pad every document (encode applies them):
+    documents are encoded whole, each to its own length."""
+    path = make_tokenizer_json(str(tmp_path))
+    reference = tokenizers.Tokenizer.from_file(path)
+    saved = tokenizers.Tokenizer.from_file(path)
+    saved.enable_truncation(4)
+    saved.enable_padding(pad_id=0)
+    saved.save(path)
+    tok = load_tokenizer(path)
+    texts = [SENTENCES[0], "the"]
+    assert len(reference.encode(SENTENCES[0]).ids) > 4
+    assert tok.encode(SENTENCES[0]) == reference.encode(SENTENCES[0]).ids
+    assert tok.encode_batch(texts) == [reference.encode(t).ids for t in texts]
+
+
+def test_a_json_file_that_is_not_a_tokenizer_is_named(tmp_path):
+    for name, text in (("config.json", '{"eos_token_id": 3'), ("empty.json", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{name}' is not a Hugging Face tokenizer\.json"):
+            load_tokenizer(str(tmp_path / name))

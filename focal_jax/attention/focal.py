@@ -107,9 +107,9 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
     Args:
       q: `[B, T, H, D]`; k: `[B, S, Hk, D]`; v: `[B, S, Hk, Dv]`, with Hk dividing H (GQA).
       temperature: a float > 0, or an array broadcastable to `[B, T, H]` (one per query and head; a 2-D array is
-        refused as ambiguous: give `[B, T, 1]`). `t < 1`
-        sharpens (the paper's best is 0.4); `t = 1` is exactly `dot_product_attention`. For the learned
-        temperature pass `scale=1.0, temperature=tau[:, :, None]`, so tau replaces `sqrt(D)`.
+        refused as ambiguous: give `[B, T, 1]`). `t < 1` sharpens (the paper's best is 0.4); `t = 1` is exactly
+        `dot_product_attention`. For the learned temperature pass `scale=1.0, temperature=tau[:, :, None]`, so tau
+        replaces `sqrt(D)`.
       scale: logit scale, default `1/sqrt(D)`.
       causal: key j visible to query i only if j <= i.
       window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).

@@ -20,7 +20,7 @@ import numpy as np
 from focal_jax.data import streaming as streaming_lib
 from focal_jax.data.config import DataConfig
 from focal_jax.data.packing import PACKED_KEYS, frame, pack
-from focal_jax.data.sources import expand_paths, is_held_out, read_documents
+from focal_jax.data.sources import check_disjoint, expand_paths, is_held_out, read_documents
 from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, copy_tokenizer, load_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -121,6 +121,8 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
     _check_layout(global_batch, seed, process_index, process_count)
+    if config.eval_paths:
+        check_disjoint(config.paths, config.eval_paths)
     if config.streaming:
         return _build_stream(config, global_batch=global_batch, seed=seed, workdir=workdir,
                              process_index=process_index, process_count=process_count)
@@ -155,9 +157,7 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
 def _build_stream(config: DataConfig, *, global_batch, seed, workdir, process_index, process_count) -> Data:
     """`build_data` for `config.streaming`: nothing is read beyond the first document of each reader (and the
     tokenizer's training sample when `config.tokenizer` is None)."""
-    files = expand_paths(config.paths)
-    if config.eval_paths:
-        expand_paths(config.eval_paths)  # fails now, naming the pattern, rather than at the first evaluation
+    files = expand_paths(config.paths)  # (eval_paths: checked by build_data, which fails naming a pattern)
     if config.tokenizer is not None:
         tokenizer = _tokenizer(config, [], workdir)
     else:

@@ -44,14 +44,29 @@ def read_documents(config: DataConfig, paths: tuple[str, ...] | None = None) -> 
 
 
 def expand_paths(patterns: tuple[str, ...]) -> list[str]:
-    """Glob patterns (`~` expanded, `**` recursive) -> the matching files, each pattern's matches sorted."""
-    files = []
+    """Glob patterns (`~` expanded, `**` recursive) -> the matching files, each pattern's matches sorted; a file
+    that several patterns match is read once (where it first appears)."""
+    files, seen = [], set()
     for pattern in patterns:
         matches = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
         if not matches:
             raise FileNotFoundError(f"no file matches the pattern {pattern!r}")
-        files += matches
+        for path in matches:
+            if os.path.realpath(path) not in seen:
+                seen.add(os.path.realpath(path))
+                files.append(path)
     return files
+
+
+def check_disjoint(paths: tuple[str, ...], eval_paths: tuple[str, ...]):
+    """ValueError naming the files that both the training patterns `paths` and `eval_paths` match (a run would
+    evaluate on documents it trains on)."""
+    train = {os.path.realpath(path) for path in expand_paths(paths)}
+    both = [path for path in expand_paths(eval_paths) if os.path.realpath(path) in train]
+    if both:
+        raise ValueError(f"eval_paths={eval_paths} and paths={paths} both match {len(both)} file(s) {both[:3]}"
+                         f"{' ...' if len(both) > 3 else ''}: the run would evaluate on documents it trains on; "
+                         f"make the training patterns leave the evaluation files out")
 
 
 def is_held_out(doc: str, eval_fraction: float) -> bool:
@@ -136,6 +151,11 @@ def _jsonl_text(path: str, number: int, line: bytes, field: str) -> str | None:
     if not isinstance(record[field], str):
         raise ValueError(f"{path}, line {number}: field {field!r} must be a string, got "
                          f"{type(record[field]).__name__}")
+    try:
+        record[field].encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate escape ("\ud83d"), valid JSON but no text
+        raise ValueError(f"{path}, line {number}: field {field!r} holds an unpaired surrogate escape, which is not "
+                         f"text ({e}); remove or replace it") from None
     return record[field]
 
 
@@ -176,10 +196,14 @@ def _read_array_record(path, field, start_record, start_byte, wanted):
         reader = ArrayRecordReader(path)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path}: not a readable ArrayRecord file ({e})") from None
+    read_all = False
     try:
-        n = reader.num_records()
+        n = reader.num_records()  # 0 for a file it cannot make sense of: close() then raises
         for begin in range(start_record, n, _ARRAY_RECORD_CHUNK):
-            chunk = reader.read(begin, min(begin + _ARRAY_RECORD_CHUNK, n))
+            try:
+                chunk = reader.read(begin, min(begin + _ARRAY_RECORD_CHUNK, n))
+            except RuntimeError as e:
+                raise ValueError(f"{path}, records {begin}..: not a readable ArrayRecord file ({e})") from None
             for number, data in enumerate(chunk, start=begin):
                 if not wanted(number):
                     yield number, 0, 0, None
@@ -189,8 +213,13 @@ def _read_array_record(path, field, start_record, start_byte, wanted):
                 except UnicodeDecodeError as e:
                     raise ValueError(f"{path}, record {number}: not utf-8 text ({e})") from None
                 yield number, 0, 0, text
+        read_all = True
     finally:
-        reader.close()
+        try:
+            reader.close()
+        except RuntimeError as e:  # (after another error, or a generator left early, that error stands)
+            if read_all:
+                raise ValueError(f"{path}: not a readable ArrayRecord file ({str(e) or 'truncated?'})") from None
 
 
 _READERS = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet, "array_record": _read_array_record}

@@ -14,7 +14,8 @@ Process `p` owns readers `p, p + process_count, ...` (`interleave` of them) and 
 row each in turn. Within a file documents come in file order, or, with `shuffle_window=W > 1` (and `shuffle`),
 in windows of `W` documents each permuted by `(seed, epoch, file, window start)`. Documents held out for
 evaluation (`eval_fraction`, by the hash of their text as in memory) and empty ones are skipped. Each reader repeats
-epochs forever; its epochs are its own (readers with more tokens take longer).
+epochs forever; its epochs are its own (readers with more tokens take longer), and one without a document (its only
+file of that epoch an empty one, say) passes.
 
 **Rows.** A reader encodes each document as `start + tokens + eos` and packs the documents of its stream with
 `pack`: a document crossing a row boundary continues in the next row as a new segment from position 0, and the
@@ -57,6 +58,9 @@ POSITION_KEYS = ("epoch", "file", "record", "byte", "taken", "skip")
 TOKENIZER_SAMPLE_CHARS = 20_000_000  # a tokenizer trained for a stream sees the first documents up to this size
 _ENCODE_BATCH = 16  # documents tokenized at once
 _START = dict.fromkeys(POSITION_KEYS, 0)
+# Empty epochs in a row, per reader, after which a reader whose files change each epoch gives up: a reader with
+# any document in reach meets an empty epoch with probability at most 1 - 1 / n_readers (e^-20 for all of them).
+MAX_EMPTY_EPOCHS_PER_READER = 20
 
 
 def log(message: str):
@@ -115,6 +119,11 @@ class Plan:
         return is_held_out(text, self.eval_fraction) == (self.split == "eval")
 
     @property
+    def varies_by_epoch(self) -> bool:
+        """Whether a reader's documents change from epoch to epoch (shuffled among several readers)."""
+        return self.shuffle and self.n_readers > 1
+
+    @property
     def window(self) -> int:
         return self.shuffle_window if self.shuffle and self.shuffle_window > 1 else 0
 
@@ -144,12 +153,15 @@ def _position(epoch, file, record, byte, taken, skip=0) -> dict:
 
 def documents(plan: Plan, reader: int, start: dict | None = None) -> Iterator[_Doc | _EpochEnd]:
     """The documents of reader `reader` from position `start` (default: the beginning), each with its position;
-    an `_EpochEnd` after each epoch's last document. Raises ValueError when an epoch read from its start has no
-    document (and `plan.require_documents`)."""
+    an `_EpochEnd` after each epoch's last document. When `plan.require_documents`, raises ValueError once the
+    reader cannot find a document: an epoch read from its start is empty and every epoch reads the same documents,
+    or (`plan.varies_by_epoch`: shuffled among several readers, so an empty file or a small one may fall to one
+    reader alone in some epoch) `MAX_EMPTY_EPOCHS_PER_READER * n_readers` epochs in a row are empty."""
     start = start or _START
     epoch, first = start["epoch"], start["file"]
     within = (start["record"], start["byte"], start["taken"])
     whole = first == 0 and within == (0, 0, 0)
+    empty_epochs = 0
     while True:
         files = plan.epoch_files(epoch, reader)
         count, every = 0, max(1, len(files) // 10)
@@ -163,13 +175,16 @@ def documents(plan: Plan, reader: int, start: dict | None = None) -> Iterator[_D
             within = (0, 0, 0)
             if plan.verbose and len(files) >= 10 and (j + 1) % every == 0:
                 log(f"data: {plan.describe_reader(reader)}, epoch {epoch}: {j + 1}/{len(files)} files read")
-        if whole and count == 0 and plan.require_documents:
+        empty_epochs = empty_epochs + 1 if whole and count == 0 else 0
+        limit = MAX_EMPTY_EPOCHS_PER_READER * plan.n_readers if plan.varies_by_epoch else 1
+        if empty_epochs >= limit and plan.require_documents:
             names = [plan.files[index] for _, index in files]
             held = f" or all held out for evaluation (eval_fraction={plan.eval_fraction})" \
                 if plan.split == "train" and plan.eval_fraction > 0 else ""
-            raise ValueError(f"empty document stream: {plan.describe_reader(reader)} found no documents in epoch "
-                             f"{epoch} in its {len(names)} file(s) {names[:3]}{' ...' if len(names) > 3 else ''}: "
-                             f"they hold no non-empty documents{held}"
+            epochs = f"epoch {epoch}" if limit == 1 else f"{limit} epochs in a row (the last, {epoch},"
+            raise ValueError(f"empty document stream: {plan.describe_reader(reader)} found no documents in {epochs} "
+                             f"in its {len(names)} file(s) {names[:3]}{' ...' if len(names) > 3 else ''}"
+                             f"{'' if limit == 1 else ')'}: they hold no non-empty documents{held}"
                              + (" (fewer documents than readers? shard_by='document' gives each reader every "
                                 f"{plan.n_readers}-th document)" if plan.shard_by == "document" else ""))
         yield _EpochEnd(_position(epoch + 1, 0, 0, 0, 0))
@@ -463,7 +478,8 @@ def train_stream(config: DataConfig, files: list[str], tokenizer: Tokenizer, *, 
     plan = train_plan(config, files, seed=seed, process_index=process_index, process_count=process_count)
     readers = tuple(process_index + process_count * i for i in range(config.interleave))
     for reader in readers:
-        next(documents(dataclasses.replace(plan, verbose=False), reader))  # a first document exists (or raises)
+        items = documents(dataclasses.replace(plan, verbose=False), reader)
+        next(item for item in items if isinstance(item, _Doc))  # a first document exists (or raises)
     dataset = TrainStream(plan, readers, tokenizer, config.seq_len, paths=config.paths)
     dataset = dataset.batch(global_batch // process_count, drop_remainder=True)
     if config.prefetch:

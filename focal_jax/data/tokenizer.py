@@ -21,7 +21,8 @@ A run copies its tokenizer into its workdir (`copy_tokenizer`), keeping its kind
 loads it back, and `tokenizer_file(DIR)` names the tokenizer file of a run or Hugging Face directory.
 
 Trained tokenizers are SentencePiece BPE with `byte_fallback` (any text encodes; nothing maps to unk), digits split
-into single pieces, no normalisation and no dummy prefix, so `decode(encode(text)) == text` for every string.
+into single pieces, no normalisation and no dummy prefix, so `decode(encode(text)) == text` for every string
+without U+2581 ('▁', SentencePiece's mark for a space, which decodes as a space).
 Special ids: pad 0, unk 1, bos 2, eos 3 (`pack` pads with 0).
 """
 
@@ -73,7 +74,13 @@ class Tokenizer:
         self.path = str(path)
         if self.path.endswith(".json"):
             self.kind = "huggingface"
-            self._hf = tokenizers.Tokenizer.from_file(self.path)
+            try:
+                self._hf = tokenizers.Tokenizer.from_file(self.path)
+            except Exception as e:  # the tokenizers library raises a bare Exception
+                raise ValueError(f"{self.path!r} is not a Hugging Face tokenizer.json ({e})") from None
+            # Truncation or padding saved in the file would cut or pad every document (encode applies them).
+            self._hf.no_truncation()
+            self._hf.no_padding()
             self.vocab_size = max(self._hf.get_vocab(with_added_tokens=True).values()) + 1
             ids = _hf_special_ids(self._hf, self.path, self.vocab_size)
         else:

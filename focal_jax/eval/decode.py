@@ -8,7 +8,7 @@ ways to run the model, chosen per model:
   no padding ever enters the cache: the common prefix is prefilled at once, then each step feeds every row its next
   token: a prompt token while the row is still reading its prompt, else the token it generated last.
 - **Full forward** (soft Focus, non-causal routing: a token's groups depend on later tokens, so a cache is not
-  defined): each step re-runs the model over the whole buffer. Prompts are right-padded; the padding is a segment
+  defined; dynamic NTK RoPE: the base grows with the sequence, so cached keys would keep a stale one): each step re-runs the model over the whole buffer. Prompts are right-padded; the padding is a segment
   of its own (`segment_ids` 0, the sequence 1) at positions after the sequence, so causal attention never sees it
   and Sinkhorn's column sums (taken per segment) leave it out: each row's logits are those of its prompt alone.
 
@@ -81,10 +81,14 @@ def _check_prompts(prompts, vocab_size):
 
 
 def can_cache(model) -> bool:
-    """True when every attention layer of `model` (a focal_jax `Llama` or `GPT2`) decodes with a KV cache."""
+    """True when every attention layer of `model` (a focal_jax `Llama` or `GPT2`) decodes with a KV cache and none
+    scales RoPE with dynamic NTK (its base grows with the sequence: keys cached under a shorter one's base would
+    not be those of the full forward)."""
     try:
         for attn in _attention_layers(model):
             check_decodable(attn.config)
+            if attn.config.rope_ntk_factor is not None:
+                return False
     except ValueError:
         return False
     return True

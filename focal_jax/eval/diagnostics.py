@@ -124,9 +124,11 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
                trained_seq_len=trained, step=step)
 
 
-def check_batch(batch, required=("inputs",)):
+def check_batch(batch, required=("inputs",), vocab_size: int | None = None):
     """Checks a batch dict (the trainer's format: `inputs`, `targets` int `[B, T]`, `loss_mask [B, T]`, optional
-    `positions`, `segment_ids` int `[B, T]`); raises ValueError naming a missing key or a wrong shape."""
+    `positions`, `segment_ids` int `[B, T]`); raises ValueError naming a missing key, a wrong shape, or (given
+    `vocab_size`) an input or scored target id outside `[0, vocab_size)` (in a jitted forward an input gives NaN
+    logits; a target would be scored as the log-sum-exp of the logits)."""
     if not isinstance(batch, dict):
         raise ValueError(f"a batch must be a dict of [batch, seq] arrays, got {type(batch).__name__}")
     missing = [k for k in required if k not in batch]
@@ -139,6 +141,17 @@ def check_batch(batch, required=("inputs",)):
         if batch.get(key) is not None and np.shape(batch[key]) != shape:
             raise ValueError(f"batch[{key!r}] must have the shape of batch['inputs'] {shape}, got "
                              f"{np.shape(batch[key])}")
+    if vocab_size is not None:
+        for key in ("inputs", "targets"):
+            if key not in batch:
+                continue
+            ids = np.asarray(batch[key])
+            if key == "targets" and "loss_mask" in batch:
+                ids = ids[np.asarray(batch["loss_mask"]) > 0]
+            bad = ids[(ids < 0) | (ids >= vocab_size)]
+            if bad.size:
+                raise ValueError(f"batch[{key!r}] holds token id {int(bad[0])}, outside the model's vocabulary "
+                                 f"[0, {vocab_size})")
 
 
 def real_tokens(batch) -> jax.Array:
@@ -410,7 +423,7 @@ def diagnose(model, batches, *, top: int = 8, entropy: bool = True, progress: bo
     vocab_size = view.config.vocab_size if is_focus(view) else None
     total, start = None, time.perf_counter()
     for i, batch in enumerate(batches):
-        check_batch(batch)
+        check_batch(batch, vocab_size=view.config.vocab_size)
         sums = jax.device_get(_batch_sums(graphdef, state, dict(batch), entropy=entropy, vocab_size=vocab_size))
         total = _add(total, sums)
         if progress:
@@ -453,7 +466,7 @@ def routing_metrics(model, batch) -> dict[str, float]:
     if not is_focus(model):
         kinds = sorted({c.kind for c in attention_configs(model)})
         raise ValueError(f"routing_metrics needs a Focus model (kind 'focus' or 'focal+focus'), got kind {kinds}")
-    check_batch(batch)
+    check_batch(batch, vocab_size=model.config.vocab_size)
     graphdef, state = nnx.split(attention_view(model))
     sums = jax.device_get(_routing_only(graphdef, state, dict(batch)))
     if not sums["tokens"].any():

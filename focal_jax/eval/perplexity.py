@@ -175,7 +175,8 @@ def evaluate_model(model, batches, *, pair_method: str = "auto", progress: str |
     Returns:
       dict: `loss` (mean NLL over the target tokens), `perplexity` (exp(loss)), `tokens`; for Focus models
       `dominance` (mean over layers) and `dominance_per_layer`; under a hard top-k mask also `pairs_retained`,
-      `distant_retained` (means over layers) and their `_per_layer` lists.
+      `distant_retained` (means over layers; None when no pair is farther apart than the window) and their
+      `_per_layer` lists.
     """
     if pair_method not in PAIR_METHODS:
         raise ValueError(f"pair_method must be one of {PAIR_METHODS}, got pair_method={pair_method!r}")
@@ -184,7 +185,7 @@ def evaluate_model(model, batches, *, pair_method: str = "auto", progress: str |
     n_batches = len(batches) if hasattr(batches, "__len__") else None
     every, start = max(1, (n_batches or 10) // 10), time.perf_counter()
     for i, batch in enumerate(batches):
-        check_batch(batch, required=("inputs", "targets", "loss_mask"))
+        check_batch(batch, required=("inputs", "targets", "loss_mask"), vocab_size=model.config.vocab_size)
         out = jax.device_get(_eval_batch(graphdef, state, dict(batch), pair_method=pair_method))
         nll, tokens = nll + float(out["nll"]), tokens + float(out["tokens"])
         if "group_counts" in out:
@@ -205,9 +206,11 @@ def evaluate_model(model, batches, *, pair_method: str = "auto", progress: str |
         result.update(dominance=float(dominance.mean()), dominance_per_layer=dominance.tolist())
     if pairs is not None:
         retained = pairs["retained"] / np.maximum(pairs["causal"], 1)
-        distant = pairs["distant_retained"] / np.maximum(pairs["distant"], 1)
-        result.update(pairs_retained=float(retained.mean()), distant_retained=float(distant.mean()),
-                      pairs_retained_per_layer=retained.tolist(), distant_retained_per_layer=distant.tolist())
+        result.update(pairs_retained=float(retained.mean()), pairs_retained_per_layer=retained.tolist(),
+                      distant_retained=None, distant_retained_per_layer=[None] * len(retained))
+        if pairs["distant"].all():  # (none when every row is within the window: nothing to report, not 0%)
+            distant = pairs["distant_retained"] / pairs["distant"]
+            result.update(distant_retained=float(distant.mean()), distant_retained_per_layer=distant.tolist())
     return result
 
 

@@ -363,7 +363,7 @@ class Attention(nnx.Module):
             theta = c.rope_theta
             if c.rope_ntk_factor is not None:
                 theta = dynamic_ntk_theta(theta, positions, c.head_dim, factor=c.rope_ntk_factor,
-                                          trained_len=c.rope_trained_len)
+                                          trained_len=c.rope_trained_len, segment_ids=segment_ids)
             scaling = dict(linear_factor=c.rope_linear_factor, llama3=c.rope_llama3)
             q, k = rope(q, positions, theta, **scaling), rope(k, positions, theta, **scaling)
         if cache is not None:

@@ -145,6 +145,10 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"prompt must be integer tokens of shape [batch, seq >= 1], got shape {prompt.shape} "
                          f"dtype {prompt.dtype}")
+    vocab_size = model.config.vocab_size
+    if prompt.size and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size):  # (in the jit: NaN logits)
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got values from {int(prompt.min())} to "
+                         f"{int(prompt.max())}")
     _check_int("max_new_tokens", max_new_tokens, 1)
     _check_sampling(temperature, top_p)
     if temperature > 0 and rng is None:

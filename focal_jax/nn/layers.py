@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax.attention.segments import segment_labels
+
 
 class RMSNorm(nnx.Module):
     """`x / sqrt(mean(x^2) + eps) * scale` over the last axis, computed in float32 (as OLMo-2 / Qwen3 / LLaMA in
@@ -29,7 +31,8 @@ def rope_inverse_frequencies(head_dim: int, theta, *, linear_factor: float | Non
     'linear' rope type (`linear_factor`: every frequency divided by it, i.e. positions compressed by it) or 'llama3'
     type (`llama3 = (factor, low_freq_factor, high_freq_factor, original_len)`: wavelengths longer than
     `original_len / low_freq_factor` are stretched by `factor`, those shorter than `original_len /
-    high_freq_factor` kept, the ones between interpolated). `theta` may be a traced scalar.
+    high_freq_factor` kept, the ones between interpolated). `theta` is a number, or an array (e.g. `[B, T]`: then
+    `[B, T, head_dim / 2]`).
 
     Example:
       >>> [round(float(f), 6) for f in rope_inverse_frequencies(4, 100.0, linear_factor=2.0)]
@@ -37,6 +40,7 @@ def rope_inverse_frequencies(head_dim: int, theta, *, linear_factor: float | Non
     """
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={head_dim}")
+    theta = jnp.asarray(theta, jnp.float32)[..., None]  # a number, or one per token (`dynamic_ntk_theta`)
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if linear_factor is not None:
         inv_freq = inv_freq / linear_factor
@@ -65,17 +69,33 @@ def rotate_half(x):
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-def dynamic_ntk_theta(theta, positions, head_dim: int, *, factor: float, trained_len: int):
+def dynamic_ntk_theta(theta, positions, head_dim: int, *, factor: float, trained_len: int, segment_ids=None):
     """Dynamic NTK RoPE base for evaluation past the trained length (FOCAL_SPEC OQ-F10, as Hugging Face's
-    'dynamic' rope type): with L = max(positions) + 1, `theta * (factor * L / trained_len - (factor - 1)) **
-    (head_dim / (head_dim - 2))` when L > trained_len, else `theta` unchanged. Returns a float32 scalar.
+    'dynamic' rope type), per token: with L the length of the token's sequence (1 + the largest position in its
+    segment of `segment_ids [B, T]`, or in its row without them), `theta * (factor * L / trained_len - (factor -
+    1)) ** (head_dim / (head_dim - 2))` when L > trained_len, else `theta` unchanged. Hugging Face takes L from the
+    whole batch; here a sequence gets the same base alone, in a padded batch or packed with others.
+
+    Returns float32 `[B, T]`.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> float(dynamic_ntk_theta(10000.0, jnp.arange(8)[None], 64, factor=2.0, trained_len=16))
-      10000.0
+      >>> positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+      >>> dynamic_ntk_theta(100.0, positions, 4, factor=2.0, trained_len=4).tolist()  # L = 5: (2 * 5 / 4 - 1)^2
+      [[225.0, 225.0, 225.0, 225.0, 225.0, 225.0, 225.0, 225.0]]
+      >>> dynamic_ntk_theta(100.0, positions, 4, factor=2.0, trained_len=4,
+      ...                   segment_ids=jnp.array([[1, 1, 1, 2, 2, 2, 2, 2]])).tolist()  # L = 3, then 5
+      [[100.0, 100.0, 100.0, 225.0, 225.0, 225.0, 225.0, 225.0]]
     """
-    length = jnp.maximum(jnp.max(positions).astype(jnp.float32) + 1.0, float(trained_len))
+    positions = jnp.asarray(positions)
+    if segment_ids is None:
+        longest = jnp.broadcast_to(jnp.max(positions, axis=-1, keepdims=True), positions.shape)
+    else:
+        def per_row(row_positions, row_segments):
+            labels = segment_labels(row_segments)
+            return jax.ops.segment_max(row_positions, labels, num_segments=labels.shape[0])[labels]
+        longest = jax.vmap(per_row)(positions, jnp.asarray(segment_ids))
+    length = jnp.maximum(longest.astype(jnp.float32) + 1.0, float(trained_len))
     return theta * (factor * length / trained_len - (factor - 1.0)) ** (head_dim / (head_dim - 2))
 
 

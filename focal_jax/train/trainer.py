@@ -386,6 +386,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
             opt_state=opt_state, opt_sharding=opt_sharding,
             params_sharding=merge_params(trainable_sharding, frozen_sharding) if with_frozen else trainable_sharding)
         trainable = select_params(params, trainable)
+        if with_frozen:  # the saved ones, should this jax version draw the seed's differently
+            frozen = select_params(params, frozen)
         data_iter.set_state(data_state)
         start_step = resume_step
         log(f"resumed from {checkpoint.checkpoint_dir(workdir)} at step {start_step}")
