@@ -8,9 +8,11 @@ ways to run the model, chosen per model:
   no padding ever enters the cache: the common prefix is prefilled at once, then each step feeds every row its next
   token: a prompt token while the row is still reading its prompt, else the token it generated last.
 - **Full forward** (soft Focus, non-causal routing: a token's groups depend on later tokens, so a cache is not
-  defined; dynamic NTK RoPE: the base grows with the sequence, so cached keys would keep a stale one): each step re-runs the model over the whole buffer. Prompts are right-padded; the padding is a segment
-  of its own (`segment_ids` 0, the sequence 1) at positions after the sequence, so causal attention never sees it
-  and Sinkhorn's column sums (taken per segment) leave it out: each row's logits are those of its prompt alone.
+  defined; dynamic NTK RoPE: the base grows with the sequence, so cached keys would keep a stale one): each step
+  re-runs the model over the whole buffer. Prompts are right-padded; the padding is a segment of its own
+  (`segment_ids` 0, the sequence 1) at positions after the sequence, so causal attention never sees it, and
+  Sinkhorn's column sums and the NTK base (taken per segment) leave it out: each row's logits are those of its
+  prompt alone.
 
 Lengths are padded to a few buckets (8, 10, 12, 14, 16, 20, 24, ...: four per octave) and the batch to `batch_size`
 rows, so that jit compiles once per bucket, not once per prompt. Prompts are sorted by length before batching.
