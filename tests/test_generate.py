@@ -211,3 +211,6 @@ def test_logits_at_selects_rows_of_the_full_logits(family):
     np.testing.assert_allclose(cached[:, 0], full[:, 8], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"logits_at must be integer indices \[batch, n\] with batch 2"):
         model(tokens, logits_at=jnp.asarray([1, 2]))
+    for bad in (9, -1):  # an index past the sequence used to give the last row's logits
+        with pytest.raises(ValueError, match=r"logits_at must be sequence indices in \[0, 9\), got values from"):
+            model(tokens, logits_at=jnp.asarray([[0, bad], [1, 2]]))

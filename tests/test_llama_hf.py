@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from focal_jax.convert.hf import from_hf, to_hf
 from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.generate import generate
 from focal_jax.nn.layers import rope, rope_inverse_frequencies
 from focal_jax.nn.llama import Llama, LlamaConfig, focal_config, param_count
 from focal_jax.nn.variables import Centroid, Temperature
@@ -127,6 +128,11 @@ def test_packed_segments_equal_separate_documents(llama_dir, tokens):
     assert_close(logits[0, :6], hf_logits(hf, tokens[:1, :6])[0], atol=1e-4, what="doc 0")
     assert_close(logits[0, 6:], hf_logits(hf, tokens[:1, 6:])[0], atol=1e-4, what="doc 1")
     assert_close(logits[1], hf_logits(hf, tokens[1:])[0], atol=1e-4, what="row 1")
+    # a segment is the tokens with one id, contiguous or not (as the masks have it): doc 0 split around doc 1
+    split = jnp.asarray([[0] * 3 + [1] * 10 + [0] * 3], jnp.int32)
+    order = np.r_[0:3, 13:16]
+    logits = model(jnp.asarray(tokens[:1]), segment_ids=split)
+    assert_close(logits[0, order], hf_logits(hf, tokens[:1, order])[0], atol=1e-4, what="doc 0 around doc 1")
 
 
 def test_to_hf_paper_model_and_errors(tmp_path, tokens):
@@ -176,6 +182,18 @@ def test_token_ids_out_of_range(llama_dir):
     model = from_hf(llama_dir[0])
     with pytest.raises(ValueError, match=rf"tokens must be in \[0, {VOCAB}\), got values from 3 to {VOCAB}"):
         model(jnp.array([[3, VOCAB]]))
+    assert model([[1, 2, 3]]).shape == (1, 3, VOCAB)  # a list, as GPT-2 takes it
+    with pytest.raises(ValueError, match=r"segment_ids must have the shape of tokens \(1, 3\), got shape \(1, 2\)"):
+        model(jnp.array([[1, 2, 3]]), segment_ids=jnp.ones((1, 2), jnp.int32))
+
+
+def test_a_config_from_a_file_stays_hashable():
+    """`rope_llama3` read from a config file is a list: the model config keeps it as a tuple (generate's jit needs
+    a hashable config; it used to fail)."""
+    attn = {"rope_llama3": [8.0, 1.0, 4.0, 80]}
+    config = LlamaConfig(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, intermediate=32, attn=attn)
+    assert config == dataclasses.replace(config, attn={"rope_llama3": (8.0, 1.0, 4.0, 80)}) and hash(config)
+    assert generate(Llama(config, rngs=nnx.Rngs(0)), jnp.ones((1, 3), jnp.int32), max_new_tokens=2).shape == (1, 5)
 
 
 def test_jit_through_split_merge(llama_dir, tokens):

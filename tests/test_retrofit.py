@@ -17,7 +17,10 @@ from flax import nnx
 from focal_jax.convert.hf import from_hf
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
-from focal_jax.nn.retrofit import FocalConfig, FocusConfig, count_params, retrofit, trainable_filter
+from focal_jax.nn.attention import CUSTOM_KINDS
+from focal_jax.nn.lora import LoRAConfig
+from focal_jax.nn.retrofit import (FocalConfig, FocusConfig, count_params, replace_attention, retrofit,
+                                   trainable_filter)
 from focal_jax.nn.variables import Centroid, Temperature
 
 VOCAB, D, LAYERS, HEADS = 97, 64, 2, 4
@@ -295,6 +298,9 @@ def test_bad_focus_config_names_field(kwargs, field):
     (dict(t=0.3, learned=True), "t=0.3"),
     (dict(learned=True, tau_min=10.0, tau_max=5.0), "tau_min"),
     (dict(learned="yes"), "learned"),
+    (dict(learned=True, tau_max=float("inf")), "tau_max must be finite"),  # tau_bias would start at inf
+    (dict(learned=True, tau_max=None), "tau_max must be a number"),
+    (dict(t=0.5, tau_max=8.0), "tau_max=8.0 are for the learned temperature"),  # silently ignored before
 ])
 def test_bad_focal_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"FocalConfig: .*{field}"):
@@ -326,3 +332,31 @@ def test_bad_retrofits_are_named():
     with pytest.raises(ValueError):
         retrofit(model, focus, impl="bogus")
     assert model.config.kind == "dense" and not nnx.state(model, Centroid)
+    with pytest.raises(ValueError, match="impl='decomposed' and dtype=None are for Focus and Focal retrofits"):
+        retrofit(gpt2(), LoRAConfig(rank=2, alpha=4.0), impl="decomposed")  # LoRA ignored both
+
+
+def test_a_retrofit_keeps_the_centroids_a_dense_view_held():
+    """A Focus model viewed as dense (`replace_attention(kind='dense', allow_unused=True)`) keeps its centroids; a
+    Focus retrofit onto that view keeps them too (it used to draw new ones over the trained ones)."""
+    config = GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=1, n_heads=4)
+    model = retrofit(GPT2(config, rngs=nnx.Rngs(0)), FocusConfig(groups=4, dim=8, window=4), rngs=1)
+    trained = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, Centroid)))
+    replace_attention(model, kind="dense", allow_unused=True)
+    retrofit(model, FocusConfig(groups=4, dim=8, window=4), rngs=2)
+    assert model.config.kind == "focus"
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, Centroid)), trained)
+    replace_attention(model, kind="dense", allow_unused=True)
+    with pytest.raises(ValueError, match=r"centroids has shape \(4, 8\), the new config needs \(2, 8\)"):
+        retrofit(model, FocusConfig(groups=2, dim=8, window=4))
+
+
+def test_a_registered_kind_is_not_retrofitted(monkeypatch):
+    # registered for this test only (the registry is the process's)
+    monkeypatch.setitem(CUSTOM_KINDS, "test_retrofit_own", lambda q, k, v, *, segment_ids: q)
+    config = LlamaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, intermediate=48,
+                         attn={"kind": "test_retrofit_own"})
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    for change in (FocusConfig(groups=4, dim=8, window=4), FocalConfig(t=0.5)):
+        with pytest.raises(ValueError, match="a kind registered with register_attention is its own function"):
+            retrofit(model, change)

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from focal_jax.train import checkpoint, train, trainer
 from focal_jax.train.config import check_config, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
-from focal_jax.train.sharding import make_mesh, partition_spec
+from focal_jax.train.sharding import check_batch_layout, make_mesh, partition_spec
 from focal_jax.train.trainer import cast_floats, init_model, load_model, masked_nll
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,6 +119,12 @@ def test_mesh_and_partition_specs():
         make_mesh({"data": 3, "fsdp": 2, "tensor": 1})
     with pytest.raises(ValueError, match="unknown axes \\['model'\\]"):
         make_mesh({"model": 2})
+    check_batch_layout(mesh, 8, 4)
+    with pytest.raises(ValueError, match="batch_size=6 must be a multiple of the data-parallel size 4"):
+        check_batch_layout(mesh, 6, 1)
+    # two hosts of four devices, the batch split over two: each host's rows would be taken for the whole batch
+    with pytest.raises(ValueError, match="splits the batch 2 ways .* which 4 processes cannot share"):
+        check_batch_layout(make_mesh({"data": 2, "tensor": 4}), 8, 4)
 
 
 def test_unknown_config_keys_name_themselves():
@@ -131,6 +138,21 @@ def test_unknown_config_keys_name_themselves():
     config.model.family = "t5"
     with pytest.raises(ValueError, match="model.family='t5' is not one of"):
         check_config(config)
+
+
+def test_retrofit_sections_and_adam_betas_are_checked():
+    config = default_config()
+    config.retrofit.focal = {}  # Focal with its defaults (it used to be dropped: no retrofit at all)
+    assert [type(change).__name__ for change in check_config(config).retrofit] == ["FocalConfig"]
+    config = default_config()
+    config.retrofit.focus = {"groups": 4}
+    with pytest.raises(ValueError, match=r"retrofit.focus needs retrofit.focus.dim, retrofit.focus.window"):
+        check_config(config)
+    for name in ("b1", "b2"):  # Adam divides by 1 - b ** step
+        config = default_config()
+        config.optim[name] = 1.0
+        with pytest.raises(ValueError, match=rf"optim.{name} must be in \[0, 1\), got {name}=1.0"):
+            check_config(config)
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -281,6 +303,14 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+def test_cli_names_a_missing_process_id(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")}
+    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path)],
+                   env={**env, "JAX_NUM_PROCESSES": "2"})
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0 and "JAX_NUM_PROCESSES=2 is set, so JAX_PROCESS_ID must be too" in output, output
+
+
 def test_cli_sets_model_fields_the_experiment_leaves_out(tmp_path, cache_dir):
     """The `model` section holds only what the experiment sets; any LlamaConfig field can still be given."""
     workdir = str(tmp_path / "run")
@@ -388,6 +418,30 @@ def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_di
     for path, value in zip(param_paths(start), jax.tree.leaves(start)):
         changed = not np.array_equal(_get(trained, path), value)
         assert changed == ("q_proj" in path), path
+
+
+def test_throughput_leaves_evaluation_out(tmp_path, cache_dir, monkeypatch):
+    """tokens_per_s (and mfu) count training time only: an evaluation between two logged steps (here 1000 s of a
+    fake clock that otherwise ticks 1 s per reading) used to be charged to the next interval."""
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1.0
+        return clock[0]
+
+    evaluate = trainer.evaluate
+
+    def slow_evaluate(*args):
+        clock[0] += 1000.0
+        return evaluate(*args)
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(trainer, "evaluate", slow_evaluate)
+    config = tiny(cache_dir, total_steps=3, log_every=1, eval_every=1, eval_batches=1)
+    records = train(config, str(tmp_path / "run"))
+    tokens_per_step = config.batch_size * config.data.seq_len
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["tokens_per_s"] >= tokens_per_step / 10 for r in records), records
 
 
 def test_a_changed_schedule_on_resume_is_noted(tmp_path, cache_dir, capsys):
@@ -531,6 +585,14 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
     config.data.update(source="text", paths=(str(tmp_path / "small.txt"),), eval_fraction=0.0,
                        tokenizer=os.path.join(workdir, "tokenizer.model"))
     assert_fails_cleanly(config, str(tmp_path / "b"), "global batch|global_batch")
+
+    with pytest.raises(ValueError, match=r"holds a checkpoint at step 1, past total_steps=0"):
+        train(tiny(cache_dir, total_steps=0), workdir)
+    assert_fails_cleanly(tiny(cache_dir, balance_weight=0.1), str(tmp_path / "f"),
+                         r"balance_weight=0.1 balances Focus groups, but the model's attention kind is \['focal'\]")
+    with pytest.raises(ValueError, match="workdir='gs://bucket/run' is a URL"):
+        train(tiny(cache_dir), "gs://bucket/run")
+    assert not os.path.exists("gs:")
 
     tied = tiny(cache_dir, total_steps=1)
     tied.model.tie_embeddings = True

@@ -7,6 +7,7 @@ parameters and picks the function. `record_attention()` lets diagnostics see eac
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -205,7 +206,10 @@ class AttentionConfig:
             _positive("softcap", self.softcap)
             if self.impl == "cudnn":
                 raise ValueError(f"softcap={self.softcap!r} is not available with impl='cudnn'; use impl='xla'")
-        _positive("tau_min", self.tau_min)
+        for name in ("tau_min", "tau_max"):  # tau_bias starts at their midpoint
+            _positive(name, getattr(self, name))
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {name}={getattr(self, name)!r}")
         if not self.tau_min < self.tau_max:
             raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
         if self.window is not None:

@@ -158,13 +158,18 @@ def apply_block(block, x, *, positions, segment_ids=None, remat: bool = False):
 
 
 def rows_at(x, logits_at):
-    """`x [B, T, d]` at the sequence indices `logits_at [B, P]` (integers in [0, T)) -> `[B, P, d]`; `x` itself when
-    `logits_at` is None. The models project only these rows onto the vocabulary, so a long prompt's prefill need
-    not hold `[B, T, vocab]` logits."""
+    """`x [B, T, d]` at the sequence indices `logits_at [B, P]` (integers in [0, T): a ValueError when concrete, else
+    clipped) -> `[B, P, d]`; `x` itself when `logits_at` is None. The models project only these rows onto the
+    vocabulary, so a long prompt's prefill need not hold `[B, T, vocab]` logits."""
     if logits_at is None:
         return x
     logits_at = jnp.asarray(logits_at)
     if logits_at.ndim != 2 or logits_at.shape[0] != x.shape[0] or not jnp.issubdtype(logits_at.dtype, jnp.integer):
         raise ValueError(f"logits_at must be integer indices [batch, n] with batch {x.shape[0]}, got shape "
                          f"{logits_at.shape} dtype {logits_at.dtype}")
+    if not isinstance(logits_at, jax.core.Tracer):
+        concrete = np.asarray(logits_at)
+        if concrete.size and (concrete.min() < 0 or concrete.max() >= x.shape[1]):
+            raise ValueError(f"logits_at must be sequence indices in [0, {x.shape[1]}), got values from "
+                             f"{concrete.min()} to {concrete.max()}")
     return jnp.take_along_axis(x, logits_at[:, :, None], axis=1, mode="clip")

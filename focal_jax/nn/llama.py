@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.attention.focal import einsum_f32
+from focal_jax.attention.segments import segment_prefix
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, rows_at
 
@@ -52,7 +53,8 @@ class LlamaConfig:
         # Stored as sorted (key, value) pairs so that the config stays hashable (NNX keeps it as static data).
         if not isinstance(self.attn, (Mapping, tuple)):
             raise ValueError(f"attn must be a dict of AttentionConfig fields, got attn={self.attn!r}")
-        object.__setattr__(self, "attn", tuple(sorted(dict(self.attn).items())))
+        object.__setattr__(self, "attn", tuple(sorted((key, tuple(value) if isinstance(value, list) else value)
+                                                      for key, value in dict(self.attn).items())))
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "intermediate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,12 +115,10 @@ class DecoderBlock(nnx.Module):
 
 
 def segment_positions(segment_ids):
-    """Positions that restart at 0 at every segment boundary of `segment_ids [B, T]`."""
-    t = segment_ids.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    """Int32 `[B, T]`: each token's position in its segment of `segment_ids [B, T]` (the tokens with its id, as the
+    attention masks define segments, contiguous or not): 0 for the segment's first token, then 1, 2, ..."""
+    ones = jnp.ones(segment_ids.shape + (1,), jnp.int32)
+    return jax.vmap(lambda x, ids: segment_prefix(x, ids, "sum"))(ones, segment_ids)[..., 0] - 1
 
 
 class Llama(nnx.Module):
@@ -139,9 +139,13 @@ class Llama(nnx.Module):
         """Logits `[B, T, vocab]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
         `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, vocab]`."""
+        tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
+        if segment_ids is not None and tuple(jnp.shape(segment_ids)) != tokens.shape:
+            raise ValueError(f"segment_ids must have the shape of tokens {tokens.shape}, got shape "
+                             f"{jnp.shape(segment_ids)}")
         if cache is not None:
             check_cache(cache, len(self.layers), tokens.shape[1])
             if segment_ids is not None:

@@ -113,6 +113,9 @@ class FocalConfig:
             _validate("FocalConfig", dict(kind="focal_learned", tau_min=self.tau_min, tau_max=self.tau_max,
                                           tau_mode=self.tau_mode), {})
         else:
+            if (self.tau_min, self.tau_max) != (5.0, 10.0):
+                raise ValueError(f"FocalConfig: tau_min={self.tau_min!r}, tau_max={self.tau_max!r} are for the "
+                                 f"learned temperature; set learned=True or leave them unset")
             if self.tau_mode != "prefix":
                 raise ValueError(f"FocalConfig: tau_mode={self.tau_mode!r} is for the learned temperature; set "
                                  f"learned=True or leave tau_mode unset")
@@ -152,7 +155,9 @@ def _new_kind(current: str, config) -> str:
     else:
         table = {"dense": "focal", "focal": "focal", "focus": "focal+focus", "focal+focus": "focal+focus"}
     if current not in table:
-        if isinstance(config, FocusConfig) or config.learned:
+        if current in CUSTOM_KINDS:
+            why = "a kind registered with register_attention is its own function"
+        elif isinstance(config, FocusConfig) or config.learned:
             why = "there is no kind with both a learned Focal temperature and Focus"
         else:
             why = "a constant temperature would drop the learned Temperature parameters"
@@ -358,6 +363,9 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
     if rngs is None or isinstance(rngs, int):
         rngs = nnx.Rngs(params=0 if rngs is None else rngs)
     if isinstance(config, LoRAConfig):
+        if impl is not None or dtype is not None:
+            raise ValueError(f"impl={impl!r} and dtype={dtype!r} are for Focus and Focal retrofits; a LoRAConfig "
+                             f"keeps the attention as it is (its LoRA parameters take the projections' dtype)")
         return add_lora(model, config, rngs=rngs)
     modules = _attention_modules(model)
     if not modules:
@@ -383,7 +391,14 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
                 raise ValueError(f"{'.'.join(map(str, path))}.{name} has shape {old_params[name][1]}, the new "
                                  f"config needs {new_params[name][1]} (groups / dim differ from the Focus the "
                                  f"model has); retrofit a model without Focus instead")
-        plans.append((attn, changes, new, {n: new_params[n][0] for n in new_params if n not in old_params}))
+        for name in set(new_params) - set(old_params):  # parameters a view of another kind kept (replace_attention)
+            held = getattr(attn, name, None)
+            if isinstance(held, nnx.Variable) and tuple(held.shape) != new_params[name][1]:
+                raise ValueError(f"{'.'.join(map(str, path))}.{name} has shape {tuple(held.shape)}, the new config "
+                                 f"needs {new_params[name][1]} (groups / dim differ from the ones the model holds)")
+        plans.append((attn, changes, new, {n: new_params[n][0] for n in new_params
+                                           if n not in old_params and not isinstance(getattr(attn, n, None),
+                                                                                     nnx.Variable)}))
 
     all_changes = {k: v for _, changes, _, _ in plans for k, v in changes.items()}
     if any(changes != all_changes for _, changes, _, _ in plans):

@@ -39,6 +39,9 @@ def main(argv):
     if distributed == "on" or (distributed == "auto" and multi_process_environment()):
         kwargs = {}
         if "JAX_NUM_PROCESSES" in os.environ:
+            if "JAX_PROCESS_ID" not in os.environ:
+                raise app.UsageError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} is set, so JAX_PROCESS_ID "
+                                     f"must be too: each process's id in [0, JAX_NUM_PROCESSES)")
             kwargs = dict(coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
                           num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                           process_id=int(os.environ["JAX_PROCESS_ID"]))

@@ -84,7 +84,13 @@ def _as_dict(value) -> dict:
 
 
 def _dataclass(cls, where: str, values: dict):
-    _check_keys(where, values, [f.name for f in dataclasses.fields(cls)])
+    fields = dataclasses.fields(cls)
+    _check_keys(where, values, [f.name for f in fields])
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ValueError(f"{where.rstrip('.')} needs {', '.join(where + name for name in missing)} (it has "
+                         f"{sorted(values) or 'nothing'})")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**values)
 
@@ -160,19 +166,16 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     retrofit = []
     window = retrofit_section.get("window")
     if window is not None:
-        if retrofit_section.get("focus"):
+        if retrofit_section.get("focus") is not None:
             raise ValueError(f"retrofit.window={window!r} and retrofit.focus do not go together: Focus has its own "
                              f"local window (retrofit.focus.window)")
         try:
             retrofit.append(WindowConfig(window))
         except ValueError as e:
             raise ValueError(f"retrofit.window: {e}") from None
-    if retrofit_section.get("focal"):
-        retrofit.append(_dataclass(FocalConfig, "retrofit.focal.", _as_dict(retrofit_section["focal"])))
-    if retrofit_section.get("focus"):
-        retrofit.append(_dataclass(FocusConfig, "retrofit.focus.", _as_dict(retrofit_section["focus"])))
-    if retrofit_section.get("lora"):
-        retrofit.append(_dataclass(LoRAConfig, "retrofit.lora.", _as_dict(retrofit_section["lora"])))
+    for name, cls in (("focal", FocalConfig), ("focus", FocusConfig), ("lora", LoRAConfig)):
+        if retrofit_section.get(name) is not None:  # {} too: e.g. Focal with its defaults
+            retrofit.append(_dataclass(cls, f"retrofit.{name}.", _as_dict(retrofit_section[name])))
     family, model = model_config(_as_dict(merged["model"]))
     if window is not None and model is not None and model.attention.kind in FOCUS_KINDS:
         raise ValueError(f"retrofit.window={window!r} cannot go on model attention kind={model.attention.kind!r}: "

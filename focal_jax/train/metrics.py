@@ -182,6 +182,8 @@ class Progress:
 PEAK_FLOPS = {
     "H100": 989e12,  # SXM, e.g. 'NVIDIA H100 80GB HBM3'
     "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,  # NVIDIA's datasheet: 1,671 TFLOP/s bf16 with sparsity, per card
+    "H200 NVL": 835e12,  # likewise
     "H200": 989e12,  # 'NVIDIA H200' (also matches 'NVIDIA GH200 ...', the same H100-class chip)
     "A100": 312e12,  # 'NVIDIA A100-SXM4-80GB', 'NVIDIA A100-SXM4-40GB', 'NVIDIA A100-PCIE-40GB'
     "TPU v4": 275e12,
@@ -212,8 +214,9 @@ def peak_flops(device: Any = None) -> float | None:
     return None
 
 
-def train_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:
-    """Model FLOPs of one training step per token: ``6 * n_params + 12 * n_layers * seq_len * d_model``.
+def train_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int, *, n_frozen: int = 0) -> float:
+    """Model FLOPs of one training step per token: ``6 * n_params - 2 * n_frozen + 12 * n_layers * seq_len *
+    d_model``.
 
     The estimate of the PaLM paper (Chowdhery et al. 2022, appendix B): each parameter that takes part in a matmul
     costs 2 FLOPs per token forward and 4 backward (6 N); attention scores and the weighted sum of values add
@@ -224,12 +227,15 @@ def train_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: i
     Choice of N (``n_params``): all parameters that take part in matmuls, i.e. the weight matrices of the blocks and
     the output (unembedding) projection; leave out the input-embedding table (a gather, no matmul) unless it is tied to
     the output projection (then count it once), and norms/biases, which are negligible. ``d_model`` is the attention
-    width, n_heads * head_dim.
+    width, n_heads * head_dim. ``n_frozen`` of the ``n_params`` are not trained (a retrofit training its centroids,
+    LoRA): the backward pass computes no gradient for them, 4 FLOPs per token instead of 6.
     """
     for name, value in (("n_params", n_params), ("n_layers", n_layers), ("seq_len", seq_len), ("d_model", d_model)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return 6.0 * n_params + 12.0 * n_layers * seq_len * d_model
+    if not 0 <= n_frozen <= n_params:
+        raise ValueError(f"n_frozen must be in [0, n_params={n_params}], got {n_frozen}")
+    return 6.0 * n_params - 2.0 * n_frozen + 12.0 * n_layers * seq_len * d_model
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, n_devices: int, peak: float | None) -> float | None:

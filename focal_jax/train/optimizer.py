@@ -46,9 +46,12 @@ class OptimConfig:
         for name in ("lr", "eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"optim.{name} must be > 0, got {name}={getattr(self, name)!r}")
-        for name in ("final_lr_fraction", "b1", "b2"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"optim.{name} must be in [0, 1], got {name}={getattr(self, name)!r}")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"optim.final_lr_fraction must be in [0, 1], got "
+                             f"final_lr_fraction={self.final_lr_fraction!r}")
+        for name in ("b1", "b2"):  # Adam's bias correction divides by 1 - b ** step
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {name}={getattr(self, name)!r}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got weight_decay={self.weight_decay!r}")
         if self.warmup_steps < 0:

@@ -72,7 +72,7 @@ def plot_losses(workdirs: Sequence[str], out_png: str, *, metrics: Sequence[str]
     fig.suptitle(title or f"{', '.join(metrics)} vs step: {', '.join(labels)}")
     fig.tight_layout()
     os.makedirs(os.path.dirname(out_png) or ".", exist_ok=True)
-    fig.savefig(out_png, dpi=100)
+    fig.savefig(out_png, dpi=100, format="png")  # whatever the name ends with
     return out_png
 
 

@@ -98,3 +98,18 @@ def shard_batch(local_batch: dict, mesh: Mesh) -> dict:
 def data_parallel_size(mesh: Mesh) -> int:
     """How many ways the batch is split (data x fsdp): the global batch must be a multiple of it."""
     return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch_layout(mesh: Mesh, batch_size: int, process_count: int):
+    """ValueError unless a global batch of `batch_size` rows splits over the mesh's batch axes (data x fsdp) and
+    each of `process_count` processes, which load their own `batch_size / process_count` rows (`shard_batch`), holds
+    shards of its own: batch axes spanning fewer devices than processes would take one process's rows for the
+    whole batch, silently training on a fraction of it."""
+    parallel = data_parallel_size(mesh)
+    if batch_size % parallel:
+        raise ValueError(f"batch_size={batch_size} must be a multiple of the data-parallel size {parallel} "
+                         f"(mesh {dict(mesh.shape)})")
+    if parallel % process_count:
+        raise ValueError(f"the mesh splits the batch {parallel} ways (data x fsdp, mesh {dict(mesh.shape)}), which "
+                         f"{process_count} processes cannot share: each process loads its own rows, so data x fsdp "
+                         f"must be a multiple of the process count; split the other way within a host (tensor)")

@@ -20,7 +20,8 @@ from flax import nnx
 from focal_jax.convert.hf import from_hf
 from focal_jax.data import build_data, train_iterator
 from focal_jax.nn.gpt2 import GPT2
-from focal_jax.nn.attention import record_attention
+from focal_jax.nn.attention import FOCUS_KINDS, record_attention
+from focal_jax.nn.generate import _attention_layers
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
@@ -29,7 +30,7 @@ from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, tra
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
 from focal_jax.train.plot import plot_losses
-from focal_jax.train.sharding import data_parallel_size, make_mesh, shard_batch, tree_shardings
+from focal_jax.train.sharding import check_batch_layout, make_mesh, shard_batch, tree_shardings
 
 
 def log(message: str):
@@ -144,12 +145,12 @@ def load_model(workdir: str, *, step: int | None = None):
     return load_pretrained(model, workdir, with_base=False, step=step)
 
 
-def matmul_param_count(model) -> int:
+def matmul_param_count(model, paths=None) -> int:
     """Parameters that take part in matmuls (for the FLOP estimate): all but the position table and an untied
-    input-embedding table (lookups)."""
+    input-embedding table (lookups); only those at `paths` (e.g. the frozen ones) when given."""
     tied = getattr(model.config, "tie_embeddings", isinstance(model, GPT2))
     sizes = {path_str(p): x.size for p, x in jax.tree_util.tree_flatten_with_path(
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0] if paths is None or path_str(p) in paths}
     lookups = [p for p in sizes if p == "wpe/embedding" or (p == "embed_tokens/embedding" and not tied)]
     return sum(sizes.values()) - sum(sizes[p] for p in lookups)
 
@@ -323,11 +324,12 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     """
     # ---------------------------------------------------------------- Config, devices, workdir
     run = check_config(config)
+    if "://" in workdir:
+        raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
+                         f"a network file system): metrics, plots and the tokenizer copy are written as local files")
     workdir = os.path.abspath(os.path.expanduser(workdir))
     mesh = make_mesh(run.mesh)
-    if run.batch_size % data_parallel_size(mesh):
-        raise ValueError(f"batch_size={run.batch_size} must be a multiple of the data-parallel size "
-                         f"{data_parallel_size(mesh)} (mesh {dict(mesh.shape)})")
+    check_batch_layout(mesh, run.batch_size, jax.process_count())
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
@@ -336,6 +338,10 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
+        if resume_step > run.total_steps:
+            raise ValueError(f"workdir {workdir} holds a checkpoint at step {resume_step}, past "
+                             f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
+                             f"new workdir")
     log(f"devices: {jax.device_count()} ({jax.devices()[0].device_kind}) in {jax.process_count()} process(es), "
         f"mesh {dict(mesh.shape)}; workdir {workdir}")
 
@@ -350,9 +356,13 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     if vocab < data.tokenizer.vocab_size:
         raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
                          f"set model.vocab_size or data.vocab_size")
+    kinds = sorted({attn.config.kind for attn in _attention_layers(model)})
+    if run.balance_weight > 0 and not set(kinds) & set(FOCUS_KINDS):
+        raise ValueError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
+                         f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
     model_config = model.config
-    n_matmul = matmul_param_count(model)
     graphdef, trainable, frozen = split_trainable(model, run.optim)
+    n_matmul, n_frozen_matmul = matmul_param_count(model), matmul_param_count(model, set(param_paths(frozen)))
     del model
     param_dtype = DTYPES[run.param_dtype]
     trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
@@ -405,7 +415,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     tokens_per_step = run.batch_size * run.data.seq_len
     head_dim = getattr(model_config, "head_dim", None) or model_config.d_model // model_config.n_heads
     width = model_config.n_heads * head_dim
-    flops_per_token = train_flops_per_token(n_matmul, model_config.n_layers, run.data.seq_len, width)
+    flops_per_token = train_flops_per_token(n_matmul, model_config.n_layers, run.data.seq_len, width,
+                                            n_frozen=n_frozen_matmul)
     lr_schedule = learning_rate_schedule(run.optim, run.total_steps)
     peak = peak_flops()
 
@@ -440,7 +451,9 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 progress.update(step, loss=metrics["loss"], tokens_per_s=tokens_per_s, mfu=utilisation)
 
             if eval_batches and (step % run.eval_every == 0 or step == run.total_steps):
+                eval_start = time.perf_counter()
                 writer.write(step, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
+                last_time += time.perf_counter() - eval_start  # tokens_per_s and mfu count training time only
 
             stopping = stop.received or step == stop_after or manager.reached_preemption(step)
             if step % run.ckpt_every == 0 or step == run.total_steps or stopping:
