@@ -48,5 +48,8 @@ def test_bad_registrations_and_kinds_name_the_value(sharp_attention):
         AttentionConfig(**shape, kind="nope")
     with pytest.raises(ValueError, match="takes impl='xla', got impl='pallas'"):
         AttentionConfig(**shape, kind=sharp_attention, impl="pallas")
+    for name, value in (("window", 1), ("softcap", 0.01)):  # accepted and silently ignored before
+        with pytest.raises(ValueError, match=rf"{name}={value} would not reach: it gets q, k, v and segment_ids"):
+            AttentionConfig(**shape, kind=sharp_attention, **{name: value})
     with pytest.raises(ValueError, match="has no KV-cache form"):
         check_decodable(AttentionConfig(**shape, kind=sharp_attention))

@@ -185,6 +185,10 @@ class AttentionConfig:
         if self.kind in CUSTOM_KINDS and self.impl != "xla":
             raise ValueError(f"kind={self.kind!r} is a registered function: it takes impl='xla', got "
                              f"impl={self.impl!r}")
+        for name in ("window", "softcap"):
+            if self.kind in CUSTOM_KINDS and getattr(self, name) is not None:
+                raise ValueError(f"kind={self.kind!r} is a registered function, which {name}={getattr(self, name)!r} "
+                                 f"would not reach: it gets q, k, v and segment_ids only")
         _choice("impl", self.impl, IMPLS)
         _choice("focus_gate", self.focus_gate, GATES)
         _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
