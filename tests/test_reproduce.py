@@ -3,6 +3,8 @@
 import json
 import os
 
+import ml_collections
+
 from focal_jax.eval import reproduce
 
 
@@ -11,6 +13,21 @@ def test_judge_needs_a_difference_beyond_the_noise():
     assert reproduce.judge(1.2, 1.0, 0.1) == "no"
     assert reproduce.judge(1.0, 1.05, 0.1) == "unclear"
     assert reproduce.judge(0.9, 0.5, 0.1, lower_is_better=False) == "yes"
+
+
+def test_runs_from_different_bases_get_their_own_workdirs(tmp_path, monkeypatch):
+    """--steps 400 and 401 train different dense bases and retrofits of 200 steps on each: the retrofit trained on
+    one base used to be reused on the other."""
+    trained = []
+    monkeypatch.setattr(reproduce, "train", lambda config, workdir: trained.append(workdir))
+    ctx = reproduce.Context(workdirs=str(tmp_path), out=str(tmp_path / "out"))
+    for base in ("dense-s400", "dense-s401"):
+        config = ml_collections.ConfigDict({"total_steps": 200, "init_from": str(tmp_path / base) + "/"})
+        reproduce.run(ctx, "retrofit-K4", config)
+    assert [os.path.basename(w) for w in trained] == ["retrofit-K4-from-dense-s400-s200",
+                                                       "retrofit-K4-from-dense-s401-s200"]
+    reproduce.run(ctx, "dense", ml_collections.ConfigDict({"total_steps": 400, "init_from": None}))
+    assert os.path.basename(trained[-1]) == "dense-s400"
 
 
 def test_one_study_end_to_end(tmp_path):

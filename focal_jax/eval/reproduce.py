@@ -155,7 +155,10 @@ def finished(workdir: str, steps: int) -> bool:
 
 
 def run(ctx: Context, name: str, config) -> str:
-    """Train `config` into the cached workdir `name` (skipped when finished; resumed when interrupted)."""
+    """Train `config` into the cached workdir `name` (skipped when finished; resumed when interrupted). A run from
+    another (`init_from`) is named after it too, so that a base trained for other steps gets its own."""
+    if config.get("init_from"):
+        name = f"{name}-from-{os.path.basename(os.path.normpath(config.init_from))}"
     workdir = ctx.workdir(name, config.total_steps)
     if finished(workdir, config.total_steps):
         log(f"{name}: finished run reused ({workdir})")
