@@ -290,6 +290,12 @@ def test_topk_membership(n_groups, k):
         np.testing.assert_array_equal(mem.argmax(-1), gn.argmax(-1))
 
 
+def test_topk_membership_ties_go_to_the_lower_group():
+    g = jnp.array([[[0.0, -0.0, 0.0, -1.0], [0.5, 0.5, 0.5, 0.5]]])  # -0.0 == 0.0: a tie, as any other
+    for fn in (topk_membership, jax.jit(topk_membership, static_argnums=1)):
+        assert np.asarray(fn(g, 2)).tolist() == [[[True, True, False, False], [True, True, False, False]]]
+
+
 def test_topk_membership_on_sinkhorn_like_rows():
     g = jax.nn.softmax(5 * jax.random.normal(jax.random.key(16), (1, 20, 4)), -1)
     mem = np.asarray(topk_membership(g, 1))

@@ -154,6 +154,7 @@ def topk_membership(g, k):
         raise ValueError(f"g must have at least one group (K >= 1), got K={n_groups}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n_groups:
         raise ValueError(f"k must be an integer with 1 <= k <= K={n_groups}, got k={k!r}")
+    g = jnp.where(g == 0, jnp.zeros_like(g), g)  # top_k ranks -0.0 below +0.0; they tie
     _, top = jax.lax.top_k(g, k)
     return jnp.any(jax.nn.one_hot(top, n_groups, dtype=jnp.int32) > 0, axis=-2)
 
