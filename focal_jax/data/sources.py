@@ -52,8 +52,9 @@ def expand_paths(patterns: tuple[str, ...]) -> list[str]:
         if not matches:
             raise FileNotFoundError(f"no file matches the pattern {pattern!r}")
         for path in matches:
-            if os.path.realpath(path) not in seen:
-                seen.add(os.path.realpath(path))
+            real = os.path.realpath(path)
+            if real not in seen:
+                seen.add(real)
                 files.append(path)
     return files
 
