@@ -398,6 +398,25 @@ def test_missing_config_keys_take_transformers_defaults(family, removed, tmp_pat
         assert model.config.attention.window == 4095  # MistralConfig's sliding_window=4096
 
 
+@pytest.mark.parametrize("layer_types", [["full_attention"] * 2, ["sliding_attention"] * 2,
+                                         ["sliding_attention", "full_attention"]])
+def test_mistral_layer_types(layer_types, tmp_path, tokens):
+    """transformers loads a mistral config.json that has layer_types as Ministral, whose sliding window is on the
+    'sliding_attention' layers only (it used to be put on every layer): uniform types load, mixed ones are refused."""
+    make_hf("mistral", str(tmp_path))  # sliding_window=5 < T
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["layer_types"] = layer_types
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    if len(set(layer_types)) > 1:
+        with pytest.raises(ValueError, match=r"layer_types=\['sliding_attention', 'full_attention'\]"):
+            from_hf(str(tmp_path))
+        return
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert_close(from_hf(str(tmp_path))(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what=str(layer_types))
+
+
 def test_no_safetensors_is_an_error(llama_dir, tmp_path):
     with open(os.path.join(llama_dir[0], "config.json")) as f, open(tmp_path / "config.json", "w") as g:
         g.write(f.read())
@@ -554,6 +573,23 @@ def test_scaled_rope_matches_transformers(rope_type, tmp_path):
     to_hf(model, str(tmp_path / "export"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
     assert_close(hf_logits(reloaded, tokens), expected, atol=1e-4, what=f"{rope_type} to_hf")
+
+
+def test_rope_scaling_replaces_rope_parameters(tmp_path):
+    """A config.json holding both: transformers reads rope_scaling alone (5.x replaces rope_parameters with it; 4.x
+    knows no rope_parameters), so from_hf does too (it used to read rope_parameters)."""
+    make_hf("llama", str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config.update(rope_scaling={"rope_type": "linear", "factor": 4.0, "rope_theta": 50.0},
+                  rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    model = from_hf(str(tmp_path))
+    assert (model.config.rope_theta, model.config.attention.rope_linear_factor) == (50.0, 4.0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
+    assert_close(model(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what="rope_scaling and rope_parameters")
 
 
 def test_llama3_rope_keeps_short_wavelengths_and_stretches_long_ones():

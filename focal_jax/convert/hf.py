@@ -52,7 +52,9 @@ class _Tensors:
 def _rope(hf):
     """RoPE base and the extra attention fields of the checkpoint's rope type: 'default', 'dynamic' (dynamic NTK
     scaling past max_position_embeddings), 'linear' or 'llama3' (LLaMA 3.1 and later)."""
-    rope = {**hf, **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}  # newest format wins
+    # As transformers: a non-empty rope_scaling (the older name, the only one 4.x reads) replaces rope_parameters
+    # whole (5.x), and keys neither holds, rope_theta among them, come from the top level.
+    rope = {**hf, **(hf.get("rope_scaling") or hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta = float(rope.get("rope_theta", 10000.0))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -87,6 +89,13 @@ def llama_config_from_hf(hf) -> LlamaConfig:
         raise ValueError(f"{model_type} with use_sliding_window=True (per-layer windows) is not supported")
     n_heads = hf["num_attention_heads"]
     window = hf.get("sliding_window", 4096) if model_type == "mistral" else None  # transformers' defaults here
+    layer_types = hf.get("layer_types") if model_type == "mistral" else None
+    if layer_types is not None:  # transformers loads such a config as Ministral: the window on 'sliding_attention' only
+        if set(layer_types) == {"full_attention"}:
+            window = None
+        elif set(layer_types) != {"sliding_attention"}:
+            raise ValueError(f"mistral with layer_types={layer_types!r} (a sliding window on some layers only, which "
+                             f"transformers loads as Ministral) is not supported")
     rope_theta, rope_fields = _rope(hf)
     attn = dict(rope_fields) if window is None else {"window": int(window) - 1, **rope_fields}
     return LlamaConfig(
