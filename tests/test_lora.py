@@ -18,6 +18,7 @@ from focal_jax.nn.generate import generate, init_cache
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.lora import LoRAConfig, LoRALinear, add_lora, merge_lora
+from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import retrofit
 from focal_jax.nn.variables import LoRA
 from focal_jax.train import checkpoint, train
@@ -61,14 +62,10 @@ def _projection_shapes(model) -> list[dict]:
     return [shapes] * c.n_layers
 
 
-def _attention_layers(model):
-    return [block.attn for block in model.h] if isinstance(model, GPT2) else [layer.self_attn for layer in model.layers]
-
-
 def _randomise_lora_b(model, seed=0):
     """Give every lora_b non-zero values, as training would, so that the update changes the outputs."""
     keys = iter(jax.random.split(jax.random.key(seed), 64))
-    for attn in _attention_layers(model):
+    for attn in attention_layers(model):
         for name in PROJECTIONS.values():
             proj = getattr(attn, name)
             if isinstance(proj, LoRALinear):
@@ -134,7 +131,7 @@ def test_merge_gives_the_same_logits_and_no_lora(family):
     assert np.abs(np.asarray(before) - np.asarray(base_logits)).max() > 1e-2  # LoRA changes this model
     merged = merge_lora(model)
     assert not jax.tree.leaves(nnx.state(merged, LoRA))
-    assert all(type(getattr(attn, name)) is nnx.Linear for attn in _attention_layers(merged)
+    assert all(type(getattr(attn, name)) is nnx.Linear for attn in attention_layers(merged)
                for name in PROJECTIONS.values())
     np.testing.assert_allclose(merged(tokens), before, atol=1e-5, rtol=0)
     assert sorted(_flat(merged)) == sorted(_flat(MODELS[family]()))  # a plain model again

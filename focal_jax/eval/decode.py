@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.nn.attention import check_decodable
-from focal_jax.nn.generate import _attention_layers, init_cache
+from focal_jax.nn.generate import init_cache
+from focal_jax.nn.models import attention_layers, check_model
 
 _CHUNK = 16  # decoding steps per device call; `stop` is checked between calls
 
@@ -87,7 +88,7 @@ def can_cache(model) -> bool:
     scales RoPE with dynamic NTK (its base grows with the sequence: keys cached under a shorter one's base would
     not be those of the full forward)."""
     try:
-        for attn in _attention_layers(model):
+        for attn in attention_layers(model):
             check_decodable(attn.config)
             if attn.config.rope_ntk_factor is not None:
                 return False
@@ -248,7 +249,7 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
       `max_new_tokens` / `batch_size` < 1, `eos_id` outside the vocabulary, a `stop` that is not callable, or (GPT-2)
       a prompt that with `max_new_tokens` exceeds `n_positions`.
     """
-    _attention_layers(model)  # raises for models other than Llama / GPT2
+    check_model(model)
     vocab_size = model.config.vocab_size
     prompts = _check_prompts(prompts, vocab_size)
     _check_int("max_new_tokens", max_new_tokens, 1)

@@ -35,8 +35,7 @@ from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
-from focal_jax.nn.gpt2 import GPT2
-from focal_jax.nn.llama import Llama
+from focal_jax.nn.models import attention_layers, check_model
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint
 from focal_jax.train.config import check_config
@@ -58,8 +57,7 @@ def attention_view(model, **changes):
     larger than `focus_groups`, a `window` on a Focus kind, a field GPT-2's config does not carry, a kind that
     needs parameters the model lacks).
     """
-    if not isinstance(model, (Llama, GPT2)):
-        raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+    check_model(model)
     graphdef, state = nnx.split(model)
     view = nnx.merge(graphdef, state)
     replace_attention(view, allow_unused=True, **changes)
@@ -69,11 +67,7 @@ def attention_view(model, **changes):
 
 def attention_configs(model) -> list:
     """The `AttentionConfig` of each layer of `model` (`Llama` or `GPT2`), in layer order."""
-    if isinstance(model, Llama):
-        return [layer.self_attn.config for layer in model.layers]
-    if isinstance(model, GPT2):
-        return [block.attn.config for block in model.h]
-    raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+    return [attn.config for attn in attention_layers(model)]
 
 
 def is_focus(model) -> bool:

@@ -49,7 +49,7 @@ from tqdm import tqdm
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
-from focal_jax.nn.llama import Llama
+from focal_jax.nn.models import check_model
 
 DEFAULT_MAX_LENGTH = 2048  # for a Llama without a run config (as lm_eval's Hugging Face model)
 MIN_BUCKET = 16  # shortest padded row length; rows are padded to powers of two so few shapes compile
@@ -165,8 +165,7 @@ class FocalJaxLM(TemplateLM):
     def __init__(self, model, tokenizer, *, batch_size: int = 8, max_length: int | None = None,
                  max_gen_toks: int = 256, add_bos_token: bool = True):
         super().__init__()
-        if not isinstance(model, (Llama, GPT2)):
-            raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+        check_model(model)
         missing = [a for a in ("encode", "decode", "bos_id", "eos_id", "vocab_size") if not hasattr(tokenizer, a)]
         if missing:
             raise ValueError(f"tokenizer must be a focal_jax Tokenizer; {type(tokenizer).__name__} lacks {missing}")

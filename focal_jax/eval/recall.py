@@ -40,7 +40,7 @@ from matplotlib.figure import Figure
 from focal_jax.data.synthetic import Example, make_examples, score
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
-from focal_jax.nn.generate import _attention_layers
+from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import replace_attention
 
 
@@ -289,7 +289,7 @@ def with_topk(model, topk: int):
     """`model` (a Focus `Llama` / `GPT2`) switched in place to hard top-`topk` routing, every other setting and
     parameter kept (`focal_jax.nn.retrofit.replace_attention(model, focus_topk=topk)`). Raises ValueError naming
     `topk` for a model without Focus or a `topk` outside [1, focus_groups]."""
-    configs = [attn.config for attn in _attention_layers(model)]
+    configs = [attn.config for attn in attention_layers(model)]
     kinds = sorted({c.kind for c in configs})
     if any(kind not in FOCUS_KINDS for kind in kinds):
         raise ValueError(f"topk={topk!r} needs a Focus model (kind in {FOCUS_KINDS}), this one has kind {kinds}")
@@ -299,7 +299,7 @@ def with_topk(model, topk: int):
 def with_rope_ntk(model, factor: float, *, trained_len: int):
     """`model` (a `Llama`) switched in place to dynamic NTK RoPE scaling past `trained_len` tokens
     (`focal_jax.nn.layers.dynamic_ntk_theta`). Raises ValueError for a model without rotary embeddings (GPT-2)."""
-    if any(attn.config.rope_theta is None for attn in _attention_layers(model)):
+    if any(attn.config.rope_theta is None for attn in attention_layers(model)):
         raise ValueError(f"rope_ntk_factor={factor!r} needs rotary embeddings; this {type(model).__name__} model "
                          f"has none")
     return replace_attention(model, rope_ntk_factor=factor, rope_trained_len=trained_len)

@@ -35,15 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.nn.gpt2 import GPT2
-from focal_jax.nn.llama import Llama
-
-
-def _attention_layers(model):
-    if isinstance(model, Llama):
-        return [layer.self_attn for layer in model.layers]
-    if isinstance(model, GPT2):
-        return [block.attn for block in model.h]
-    raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+from focal_jax.nn.models import attention_layers, check_model
 
 
 def _check_int(name, value, minimum):
@@ -57,7 +49,7 @@ def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
     dtype: of k and v; None = the dtype of the model's k projection. Raises ValueError when an attention kind cannot
     decode (non-causal or soft Focus), naming the setting, or when `max_len` exceeds GPT-2's `n_positions`.
     """
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     _check_int("batch_size", batch_size, 1)
     _check_int("max_len", max_len, 1)
     if isinstance(model, GPT2) and max_len > model.config.n_positions:
@@ -140,7 +132,7 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
       top_p: nucleus sampling, in (0, 1]; 1 = the full distribution (see `sample_logits`).
       rng: a jax.random key or an integer seed; required when temperature > 0.
     """
-    _attention_layers(model)
+    check_model(model)
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"prompt must be integer tokens of shape [batch, seq >= 1], got shape {prompt.shape} "

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from focal_jax.nn.attention import Attention
+from focal_jax.nn.models import attention_modules
 from focal_jax.nn.variables import LoRA
 
 # Target letter -> the `Attention` attribute it adapts.
@@ -127,9 +127,7 @@ class LoRALinear(nnx.Linear):
 
 
 def _attention_modules(model):
-    if not isinstance(model, nnx.Module):
-        raise ValueError(f"model must be a flax nnx.Module (a focal_jax Llama or GPT2), got {type(model).__name__}")
-    modules = [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Attention)]
+    modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no Attention modules to add LoRA to")
     return modules

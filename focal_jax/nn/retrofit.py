@@ -40,6 +40,7 @@ from focal_jax.nn.attention import CUSTOM_KINDS, FOCUS_KINDS, KINDS, Attention, 
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.lora import LoRAConfig, add_lora
+from focal_jax.nn.models import attention_modules
 from focal_jax.nn.variables import Centroid, LoRA, Temperature
 
 NEW_TYPES = (Centroid, Temperature, LoRA)
@@ -167,10 +168,6 @@ def _new_kind(current: str, config) -> str:
     return table[current]
 
 
-def _attention_modules(model):
-    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, Attention)]
-
-
 @functools.lru_cache(maxsize=64)
 def _param_types(config: AttentionConfig) -> dict:
     """{attribute name: (Variable type, shape, dtype)} of the Centroid / Temperature parameters that
@@ -272,7 +269,7 @@ def replace_attention(model, *, allow_unused: bool = False, **changes):
                 why = "not an AttentionConfig field"
             raise ValueError(f"replace_attention cannot change {name}={changes[name]!r}: {why}; it changes "
                              f"{REPLACEABLE_FIELDS}")
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if not modules or not changes:
         return model
 
@@ -314,7 +311,7 @@ def replace_attention(model, *, allow_unused: bool = False, **changes):
 
 def _retrofit_window(model, config: WindowConfig, impl: str | None):
     """`retrofit` of a `WindowConfig`: the sliding window through `replace_attention`."""
-    for path, attn in _attention_modules(model):
+    for path, attn in attention_modules(model):
         c = attn.config
         if c.kind in FOCUS_KINDS:
             raise ValueError(f"cannot put a sliding window (window={config.window}) on attention kind={c.kind!r} "
@@ -367,7 +364,7 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
             raise ValueError(f"impl={impl!r} and dtype={dtype!r} are for Focus and Focal retrofits; a LoRAConfig "
                              f"keeps the attention as it is (its LoRA parameters take the projections' dtype)")
         return add_lora(model, config, rngs=rngs)
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no Attention modules to retrofit")
 

@@ -21,8 +21,8 @@ from focal_jax.convert.hf import from_hf
 from focal_jax.data import build_data, train_iterator
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
-from focal_jax.nn.generate import _attention_layers
 from focal_jax.nn.llama import Llama
+from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import DTYPES, RunConfig, check_config, config_differences
@@ -356,7 +356,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     if vocab < data.tokenizer.vocab_size:
         raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
                          f"set model.vocab_size or data.vocab_size")
-    kinds = sorted({attn.config.kind for attn in _attention_layers(model)})
+    kinds = sorted({attn.config.kind for attn in attention_layers(model)})
     if run.balance_weight > 0 and not set(kinds) & set(FOCUS_KINDS):
         raise ValueError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
                          f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
