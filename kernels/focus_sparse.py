@@ -86,8 +86,9 @@ def plan(membership, segment_ids, block: int, band_block: int, max_groups: int |
     """The `Plan` of one sequence: membership bool `[T, K]`, segment ids int `[T]`; set A in blocks of `block`
     entries (`max_groups` entries per token, default K), set B in blocks of `band_block` tokens."""
     t, k = membership.shape
-    segment_ids = segment_ids.astype(jnp.int32)
-    segment_ids = segment_ids - jnp.min(segment_ids)  # >= 0: padding entries are segment -1 below
+    # Each id as its rank among the sequence's ids, in [0, T): equal ids share one, and padding entries are segment
+    # -1 below (subtracting the smallest id wrapped around for ids further apart than int32's largest).
+    segment_ids = jnp.searchsorted(jnp.sort(segment_ids), segment_ids).astype(jnp.int32)
     routing = _routing(membership, segment_ids, block, max_groups)
     routing = routing._replace(words=_pad_words(routing.words))
     n_words = routing.words.shape[1]

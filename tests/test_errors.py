@@ -72,6 +72,12 @@ def test_non_positive_temperature(fn, bad):
     check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, temperature=bad), "temperature", bad)
 
 
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+@pytest.mark.parametrize("bad", [0.0, float("inf")])
+def test_non_positive_or_infinite_scale(fn, bad):
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, scale=bad), "scale", bad)  # inf: every output NaN
+
+
 def test_temperature_array_checks():
     check_raises(lambda: focal_attention(Q, KK, V, temperature=jnp.full((B, T, H), 0.5).at[0, 3, 1].set(0.0)),
                  "temperature")
@@ -169,6 +175,10 @@ def test_focus_errors():
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="decomposed", block_size=0), "block_size", 0)
     check_raises(lambda: focus_mask(MEM, window=-3), "window", -3)
     check_raises(lambda: focus_mask(MEM[0], window=1), "membership")
+    # the soft assignment g instead of topk_membership(g, k): every nonzero score would count as membership
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, G, window=2), "membership", "float32")
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, G, window=2, impl="decomposed"), "membership", "float32")
+    check_raises(lambda: focus_mask(G, window=2), "membership", "float32")
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True])
@@ -178,7 +188,7 @@ def test_bad_sink(bad):
     check_raises(lambda: focus_attention(Q, KK, V, G, window=2, sink=bad), "sink", bad)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, True, "2"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, True, "2", float("inf"), float("nan")])
 def test_bad_softcap(bad):
     check_raises(lambda: focal_attention(Q, KK, V, softcap=bad), "softcap", bad)
     check_raises(lambda: focus_attention(Q, KK, V, G, window=2, softcap=bad), "softcap", bad)

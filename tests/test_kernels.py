@@ -128,6 +128,25 @@ def test_top1_with_tokens_in_no_group(backend):
     assert_matches(expected, kernel, (q, k, v), 1e-5, f"top-1, tokens in no group ({backend})")
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_segment_ids_as_far_apart_as_int32_allows(dense):
+    """Segment ids whose differences overflow int32 (-2**31, 0 and 2**31 - 1) keep their documents apart and none
+    is read as padding, as in the reference: Focus (top-2, a sink) and dense attention."""
+    t = 40
+    q, k, v = rand_qkv(28, 1, t, 2, 2, 8)
+    pos = jnp.arange(t)[None]
+    segment_ids = jnp.where(pos < 14, -2 ** 31, jnp.where(pos < 27, 0, 2 ** 31 - 1)).astype(jnp.int32)
+    if dense:
+        expected = reference.attention(q, k, v, segment_ids=segment_ids)
+        got = ks.dot_product_pallas(q, k, v, multiplier=8 ** -0.5, segment_ids=segment_ids, block_size=16)
+    else:
+        membership = random_membership(29, 1, t, 3, 2)
+        expected = reference.focus_hard_attention(q, k, v, membership, window=3, segment_ids=segment_ids, sink=2)
+        got = focus_sparse_attention(q, k, v, membership, window=3, segment_ids=segment_ids, sink=2, impl="pallas",
+                                     block_size=16, max_groups=2)
+    assert_close(got, expected, atol=1e-5, what=f"int32-wide segment ids (dense={dense})")
+
+
 @pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
 def test_the_multiplier_is_applied_inside_the_kernels(backend):
     """The logits' multiplier is applied to the float32 scores inside the kernels, and to dq and dk there: a number

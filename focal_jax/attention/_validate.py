@@ -79,6 +79,8 @@ def logit_multiplier(q, scale, temperature):
     if scale is None:
         scale = 1.0 / np.sqrt(d)
     check_positive("scale", scale)
+    if isinstance(scale, (int, float, np.floating, np.integer)) and not np.isfinite(scale):
+        raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
     check_positive("temperature", temperature)
     if isinstance(temperature, (int, float, np.floating, np.integer)):
         return scale / temperature
@@ -96,8 +98,9 @@ def logit_multiplier(q, scale, temperature):
 
 
 def check_softcap(softcap):
-    """None (off) or a number > 0."""
+    """None (off) or a finite number > 0."""
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) or softcap <= 0:
-            raise ValueError(f"softcap must be None or a number > 0 (logits -> softcap * tanh(logits / softcap)), "
-                             f"got softcap={softcap!r}")
+        if (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer))
+                or not 0 < softcap < np.inf):  # inf or NaN: every logit NaN
+            raise ValueError(f"softcap must be None or a finite number > 0 (logits -> softcap * tanh(logits / "
+                             f"softcap)), got softcap={softcap!r}")

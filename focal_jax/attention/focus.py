@@ -65,6 +65,14 @@ def _check_sink(sink):
         raise ValueError(f"sink must be an integer >= 0 (the first `sink` keys are always visible), got sink={sink!r}")
 
 
+def _check_membership_dtype(membership):
+    """Membership is bool (or integers 0 / 1): a floating-point array, such as the assignment g itself, would
+    count every nonzero score as membership."""
+    if jnp.issubdtype(membership.dtype, jnp.floating):
+        raise ValueError(f"membership must be a bool array (e.g. topk_membership(g, k)), got dtype "
+                         f"{membership.dtype}: every nonzero score would count as membership")
+
+
 def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):
     b, t, _, _ = _validate.check_qkv(q, k, v)
     _validate.check_self_attention(q, k)
@@ -179,6 +187,7 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
     """
     if membership.ndim != 3:
         raise ValueError(f"membership must have shape [batch, seq, K], got shape {membership.shape}")
+    _check_membership_dtype(membership)
     _validate.check_window(window, allow_none=False)
     _check_sink(sink)
     b, t, _ = membership.shape
@@ -227,6 +236,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       True
     """
     b, t = _check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
+    _check_membership_dtype(membership)
     _validate.check_choice("impl", impl, IMPLS)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
