@@ -298,8 +298,9 @@ def test_bad_focus_config_names_field(kwargs, field):
     (dict(t=0.3, learned=True), "t=0.3"),
     (dict(learned=True, tau_min=10.0, tau_max=5.0), "tau_min"),
     (dict(learned="yes"), "learned"),
-    (dict(learned=True, tau_max=float("inf")), "tau_max must be finite"),  # tau_bias would start at inf
-    (dict(learned=True, tau_max=None), "tau_max must be a number"),
+    # tau_bias would start at inf
+    (dict(learned=True, tau_max=float("inf")), "tau_max must be a finite number > 0, got tau_max=inf"),
+    (dict(learned=True, tau_max=None), "tau_max must be a finite number > 0, got tau_max=None"),
     (dict(t=0.5, tau_max=8.0), "tau_max=8.0 are for the learned temperature"),  # silently ignored before
 ])
 def test_bad_focal_config_names_field(kwargs, field):

@@ -172,7 +172,8 @@ def test_gpt2_passes_tau_mode_focus_assign_softcap_through():
     (dict(window=4, kind="focus"), "window=4 is for the non-Focus kinds; kind='focus' uses focus_window"),
     (dict(tau_mode="suffix"), "tau_mode='suffix' is not one of"),
     (dict(focus_assign="argmax"), "focus_assign='argmax' is not one of"),
-    (dict(softcap=0.0), "softcap must be a number > 0, got softcap=0.0"),
+    (dict(softcap=0.0), "softcap must be a finite number > 0, got softcap=0.0"),
+    (dict(softcap=float("inf")), "softcap must be a finite number > 0, got softcap=inf"),  # every logit NaN
 ])
 def test_gpt2_config_names_a_bad_attention_field(fields, needle):
     with pytest.raises(ValueError, match="GPT2Config: .*" + needle.replace("(", r"\(").replace("[", r"\[")):

@@ -100,8 +100,8 @@ def _int(name, value, minimum):
 
 
 def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number > 0, got {name}={value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {name}={value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +212,6 @@ class AttentionConfig:
                 raise ValueError(f"softcap={self.softcap!r} is not available with impl='cudnn'; use impl='xla'")
         for name in ("tau_min", "tau_max"):  # tau_bias starts at their midpoint
             _positive(name, getattr(self, name))
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {name}={getattr(self, name)!r}")
         if not self.tau_min < self.tau_max:
             raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
         if self.window is not None:
