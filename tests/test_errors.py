@@ -63,6 +63,7 @@ def test_kv_heads_must_divide_q_heads(fn):
 @pytest.mark.parametrize("fn", list(ATTENTION_FNS))
 def test_negative_window(fn):
     check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, window=-1), "window", -1)
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, window=2 ** 31), "window", 2 ** 31)  # an OverflowError before
 
 
 @pytest.mark.parametrize("fn", ["focal_attention", "focus_attention", "focus_sparse_attention_reference",
@@ -181,7 +182,7 @@ def test_focus_errors():
     check_raises(lambda: focus_mask(G, window=2), "membership", "float32")
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, 2 ** 31])
 def test_bad_sink(bad):
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, sink=bad), "sink", bad)
     check_raises(lambda: focus_mask(MEM, window=2, sink=bad), "sink", bad)

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+INT32_MAX = 2 ** 31 - 1  # the largest window or sink: positions are int32
+
 
 def is_concrete(x) -> bool:
     """True when `x` holds values we can inspect now (not a tracer under jit / grad / vmap)."""
@@ -44,8 +46,10 @@ def check_self_attention(q, k):
 def check_window(window, *, allow_none=True):
     if window is None and allow_none:
         return
-    if window is None or isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
-        raise ValueError(f"window must be an integer >= 0 (keys j with 0 <= i - j <= window), got window={window!r}")
+    if (window is None or isinstance(window, bool) or not isinstance(window, (int, np.integer))
+            or not 0 <= window <= INT32_MAX):  # (larger ones overflowed the int32 position arithmetic)
+        raise ValueError(f"window must be an integer in [0, 2**31 - 1] (keys j with 0 <= i - j <= window), got "
+                         f"window={window!r}")
 
 
 def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):

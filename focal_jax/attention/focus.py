@@ -61,8 +61,9 @@ def _unit_rows(x):
 
 
 def _check_sink(sink):
-    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or sink < 0:
-        raise ValueError(f"sink must be an integer >= 0 (the first `sink` keys are always visible), got sink={sink!r}")
+    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or not 0 <= sink <= _validate.INT32_MAX:
+        raise ValueError(f"sink must be an integer in [0, 2**31 - 1] (the first `sink` keys are always visible), got "
+                         f"sink={sink!r}")
 
 
 def _check_membership_dtype(membership):
