@@ -150,6 +150,18 @@ def test_top_p_samples_only_the_nucleus():
     np.testing.assert_array_equal(sample_logits(logits[:2], temperature=0.0), [1, 1])
 
 
+def test_small_temperatures_sample_the_argmax():
+    """softmax(logits / t) tends to the argmax as t -> 0: logits / 1e-37 overflowed float32 (tokens 0 and 1 both at
+    +inf, token 0 drawn), and a temperature below float32's smallest normal number (flushed to 0) is refused."""
+    logits = jnp.array([[50.0, 60.0, 0.0], [1.0, 3.0, 2.0]])
+    for top_p in (1.0, 0.9):
+        np.testing.assert_array_equal(sample_logits(logits, jax.random.key(0), temperature=1e-37, top_p=top_p), [1, 1])
+    with pytest.raises(ValueError, match="temperature=1e-40"):
+        sample_logits(logits, jax.random.key(0), temperature=1e-40)
+    with pytest.raises(ValueError, match="temperature=1e-40"):
+        generate(_gpt2(), _tokens(length=3), max_new_tokens=2, temperature=1e-40, rng=0)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=2.0), "max_new_tokens"),
@@ -195,6 +207,17 @@ def test_undecodable_focus_raises(attn, setting):
     with pytest.raises(ValueError, match=setting):
         generate(model, _tokens(length=3), max_new_tokens=2)
     with pytest.raises(ValueError, match=setting):
+        init_cache(model, B, 8)
+
+
+def test_dynamic_ntk_refuses_the_cache():
+    """Dynamic NTK RoPE takes its base from the sequence length: keys cached under a shorter sequence's base are not
+    the full forward's (cached logits were off by up to 0.31, greedy `generate` left the full forward's argmax at its
+    third new token), so generate and init_cache refuse it, naming the setting."""
+    model = _llama({"rope_ntk_factor": 4.0, "rope_trained_len": 4})
+    with pytest.raises(ValueError, match="rope_ntk_factor=4.0"):
+        generate(model, _tokens(length=3), max_new_tokens=2)
+    with pytest.raises(ValueError, match="rope_ntk_factor=4.0"):
         init_cache(model, B, 8)
 
 

@@ -84,14 +84,11 @@ def _check_prompts(prompts, vocab_size):
 
 
 def can_cache(model) -> bool:
-    """True when every attention layer of `model` (a focal_jax `Llama` or `GPT2`) decodes with a KV cache and none
-    scales RoPE with dynamic NTK (its base grows with the sequence: keys cached under a shorter one's base would
-    not be those of the full forward)."""
+    """True when every attention layer of `model` (a focal_jax `Llama` or `GPT2`) decodes with a KV cache
+    (`focal_jax.nn.attention.check_decodable`: not, for one, under dynamic NTK RoPE)."""
     try:
         for attn in attention_layers(model):
             check_decodable(attn.config)
-            if attn.config.rope_ntk_factor is not None:
-                return False
     except ValueError:
         return False
     return True

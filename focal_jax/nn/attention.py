@@ -257,10 +257,16 @@ def check_decodable(config: AttentionConfig):
 
     Decodable: 'dense', 'focal', 'focal_learned' with `tau_mode='prefix'` (its causal prefix mean is a running
     sum), and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`,
-    or `focus_assign='softmax'`, whose rows depend on their own token only).
+    or `focus_assign='softmax'`, whose rows depend on their own token only). Not with dynamic NTK RoPE
+    (`rope_ntk_factor`): its base grows with the sequence, so keys cached under a shorter one's base go stale.
     """
     if config.kind in CUSTOM_KINDS:
         raise ValueError(f"kind={config.kind!r} (registered with register_attention) has no KV-cache form")
+    if config.rope_ntk_factor is not None:
+        raise ValueError(f"rope_ntk_factor={config.rope_ntk_factor!r} (dynamic NTK RoPE) cannot decode with a KV "
+                         f"cache: the RoPE base grows with the sequence, so keys cached under a shorter sequence's "
+                         f"base differ from the full forward's; use focal_jax.eval.decode.greedy_decode (full "
+                         f"forwards) or plain RoPE")
     if config.kind == "focal_learned" and config.tau_mode != "prefix":
         raise ValueError(f"kind='focal_learned' with tau_mode={config.tau_mode!r} cannot decode with a KV cache: the "
                          f"whole-sequence mean makes every token's temperature depend on tokens not generated yet; "

@@ -16,7 +16,8 @@ Without `cache` the models return logits only, as before. Decodable attention ki
 them at each step (O(max_len * K * iters), small next to attention over the cache): with prefix column sums, token
 i's assignment depends only on tokens <= i, so the cached tokens keep their groups and the new token's equals the
 full-sequence forward's. The new token attends to cached keys that are local or share one of its top-k groups.
-Non-causal Focus (the paper's Sinkhorn sees the future) and soft Focus (the training form) raise ValueError.
+Non-causal Focus (the paper's Sinkhorn sees the future), soft Focus (the training form) and dynamic NTK RoPE
+(`rope_ntk_factor`: the base grows with the sequence, so cached keys would keep a shorter one's) raise ValueError.
 
 Example:
   >>> import jax.numpy as jnp
@@ -63,6 +64,9 @@ def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
 def _check_sampling(temperature, top_p):
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got temperature={temperature!r}")
+    if 0 < temperature < jnp.finfo(jnp.float32).tiny:  # a float32 subnormal, which XLA flushes to 0: logits / 0
+        raise ValueError(f"temperature must be 0 (greedy) or at least float32's smallest normal number "
+                         f"{float(jnp.finfo(jnp.float32).tiny):.4g}, got temperature={temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be a number in (0, 1], got top_p={top_p!r}")
 
@@ -86,7 +90,10 @@ def sample_logits(logits, rng=None, *, temperature=0.0, top_p=1.0):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if rng is None:
         raise ValueError(f"rng (a jax.random key) is required when sampling (temperature={temperature} > 0)")
-    logits = logits / temperature
+    # The row's largest logit moved to 0 first: as temperature -> 0 the others go to -inf, where logits / temperature
+    # would leave float32's range (several tokens at +inf, the first of them drawn).
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    logits = (logits - jnp.where(jnp.isfinite(peak), peak, 0.0)) / temperature
     if top_p < 1:
         ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
         probs = jax.nn.softmax(ordered, axis=-1)
