@@ -8,6 +8,7 @@ state.
 """
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -43,17 +44,17 @@ class OptimConfig:
     trainable_regex: str | None = None
 
     def __post_init__(self):
-        for name in ("lr", "eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"optim.{name} must be > 0, got {name}={getattr(self, name)!r}")
+        for name in ("lr", "eps"):  # lr = inf makes every parameter NaN; eps = inf every Adam update 0
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"optim.{name} must be a finite number > 0, got {name}={getattr(self, name)!r}")
         if not 0 <= self.final_lr_fraction <= 1:
             raise ValueError(f"optim.final_lr_fraction must be in [0, 1], got "
                              f"final_lr_fraction={self.final_lr_fraction!r}")
         for name in ("b1", "b2"):  # Adam's bias correction divides by 1 - b ** step
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {name}={getattr(self, name)!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got weight_decay={self.weight_decay!r}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"optim.weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be >= 0, got warmup_steps={self.warmup_steps!r}")
         if self.decay_steps is not None and self.decay_steps < 1:
