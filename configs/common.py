@@ -9,7 +9,7 @@ import os
 
 import ml_collections
 
-from focal_jax.train.config import default_config
+from focal_jax.train.config import default_config, task_kwargs_dict
 
 # Peak learning rates of the Focal paper's sizes (FOCAL_SPEC.md section 3.1, Table 4).
 FOCAL_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7B": 4e-4, "9.5B": 4e-4}
@@ -130,7 +130,7 @@ def start_from(config: ml_collections.ConfigDict, *, init_from: str, hf: str, ex
         return None
     base = base_run(init_from)
     config.model = base["model"]
-    config.data.update(base["data"])
+    config.data.update({**base["data"], "task_kwargs": task_kwargs_dict(base["data"].get("task_kwargs"))})
     config.data.tokenizer = run_tokenizer(init_from)
     return base
 

@@ -1,4 +1,4 @@
-"""Attention demo (what `make demo` runs): dense vs Focal vs Focus on a real computation.
+"""Attention demo (what `make attention-demo` runs): dense vs Focal vs Focus on a real computation.
 
     python -m focal_jax.demo [--lengths 1024 2048] [--heads 8] [--out demo_out]
 
@@ -167,7 +167,7 @@ def write_figure(out_dir: str, figure: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m focal_jax.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="sequence lengths T")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (head_dim 64)")
     parser.add_argument("--out", default="demo_out", help="directory for attention_maps.png")

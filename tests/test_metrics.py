@@ -3,6 +3,8 @@
 import json
 import pathlib
 import struct
+import subprocess
+import sys
 import time
 
 import jax
@@ -229,6 +231,17 @@ def test_plot_cli(tmp_path, capsys):
     argv = [str(tmp_path / "a"), str(tmp_path / "b"), "--out", out, "--metric", "loss,lr", "--labels", "base,focus"]
     assert plot.main(argv) == 0
     assert capsys.readouterr().out.strip() == out
+    _assert_png(out)
+
+
+def test_plot_command_line_runs_without_warnings(tmp_path):
+    """`python -m focal_jax.train.plot`, as the README gives it: runpy warned that the package had imported the
+    module already (the trainer imported it), on every call."""
+    _fake_run(tmp_path / "a", 1.0)
+    out = str(tmp_path / "cmp.png")
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "focal_jax.train.plot",
+                           str(tmp_path / "a"), "--out", out], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "RuntimeWarning" not in proc.stderr, proc.stderr
     _assert_png(out)
 
 

@@ -4,6 +4,7 @@ import ast
 import glob
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.variables import Centroid
 from focal_jax.train import checkpoint, train, trainer
-from focal_jax.train.config import check_config, default_config
+from focal_jax.train.config import check_config, config_differences, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
 from focal_jax.train.sharding import check_batch_layout, make_mesh, partition_spec
@@ -132,7 +133,8 @@ def test_unknown_config_keys_name_themselves():
                          ("mesh", "model")):
         config = default_config()
         (config if not section else config[section])[key] = 1
-        with pytest.raises(ValueError, match=f"unknown config key {section + '.' if section else ''}{key}"):
+        with pytest.raises(ValueError, match=f"unknown config key {section + '.' if section else ''}{key}; valid keys "
+                                             f"of {section or 'the config'}: "):
             check_config(config)
     config = default_config()
     config.model.family = "t5"
@@ -153,6 +155,27 @@ def test_retrofit_sections_and_adam_betas_are_checked():
         config.optim[name] = 1.0
         with pytest.raises(ValueError, match=rf"optim.{name} must be in \[0, 1\), got {name}=1.0"):
             check_config(config)
+    # lr = inf trained NaN parameters from step 2 on, eps = inf made every Adam update 0, weight_decay = NaN
+    for name, bad in (("lr", math.inf), ("eps", math.inf), ("weight_decay", math.inf), ("weight_decay", math.nan)):
+        config = default_config()
+        config.optim[name] = bad
+        with pytest.raises(ValueError, match=rf"optim.{name} must be a finite number .*, got {name}={bad}"):
+            check_config(config)
+
+
+def test_task_kwargs_is_a_section():
+    """`data.task_kwargs` takes one option at a time (`--config.data.task_kwargs.n_pairs=6`) or a dict; a run stored
+    with (key, value) pairs, as before, is the same config."""
+    config = default_config()
+    config.data.task_kwargs.n_pairs = 6
+    assert check_config(config).data.task_kwargs == (("n_pairs", 6),)
+    config.data.task_kwargs = {"n_queries": 2, "n_pairs": 5}
+    assert check_config(config).data.task_kwargs == (("n_pairs", 5), ("n_queries", 2))
+    current = checkpoint.config_json(config)
+    stored = {**current, "data": {**current["data"], "task_kwargs": [["n_pairs", 5], ["n_queries", 2]]}}
+    assert config_differences(stored, current) == []
+    stored["data"]["task_kwargs"] = [["n_pairs", 4], ["n_queries", 2]]
+    assert config_differences(stored, current) == ["data.task_kwargs.n_pairs: 4 (stored) vs 5 (now)"]
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -294,8 +317,10 @@ def test_cli_sigterm_checkpoints_and_stops(tmp_path, cache_dir):
     assert step is not None and step >= 3 and max(losses(workdir)) == step
 
 
-@pytest.mark.parametrize("override, message", [("--config.totl_steps=3", "unknown config key totl_steps"),
-                                               ("--config.model.n_layer=1", "unknown config key model.n_layer")])
+@pytest.mark.parametrize("override, message", [
+    ("--config.totl_steps=3", "unknown config key totl_steps"),
+    ("--config.model.n_layer=1", "unknown config key model.n_layer"),
+    ("--config.data.task_kwargs.n_sentences=3", "unknown option(s) ['n_sentences'] for task='associative_recall'")])
 def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
     proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path), override])
     output = proc.communicate(timeout=120)[0]

@@ -51,6 +51,10 @@ def default_config() -> ml_collections.ConfigDict:
                                                  "window": ml_collections.FieldReference(None, field_type=int)})
     config.model = ml_collections.ConfigDict({"family": "llama", "size": "tiny"})
     config.data = _section(DataConfig())
+    # A section, so that `--config.data.task_kwargs.n_pairs=6` (or a dict in a config file) sets one option of the
+    # synthetic task; DataConfig stores them as sorted (key, value) pairs.
+    del config.data["task_kwargs"]
+    config.data.task_kwargs = ml_collections.ConfigDict()
     config.optim = _section(OptimConfig())
     return config
 
@@ -73,8 +77,8 @@ def _check_keys(where: str, keys, allowed):
     unknown = sorted(set(keys) - set(allowed))
     if unknown:
         raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(f'{where}{k}' for k in unknown)}; valid keys of {where or 'the config'}: "
-                         f"{sorted(allowed)}")
+                         f"{', '.join(f'{where}{k}' for k in unknown)}; valid keys of "
+                         f"{where.rstrip('.') or 'the config'}: {sorted(allowed)}")
 
 
 def _as_dict(value) -> dict:
@@ -206,6 +210,11 @@ ADDED_KEYS = {"balance_weight": 0.0, "data.eval_paths": [], "data.streaming": Fa
               "data.shuffle_window": 0, "data.interleave": 1, "data.prefetch": 2}
 
 
+def task_kwargs_dict(value) -> dict:
+    """`data.task_kwargs` of a config dict as a dict (runs stored by 0.6.9 and earlier hold (key, value) pairs)."""
+    return dict(value.items() if hasattr(value, "items") else value or ())
+
+
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES` and keys of
     `ADDED_KEYS` that one side lacks and the other holds at their default."""
@@ -218,6 +227,8 @@ def config_differences(stored: dict, current: dict, prefix: str = "") -> list[st
         if full in ADDED_KEYS:
             a = ADDED_KEYS[full] if key not in stored else a
             b = ADDED_KEYS[full] if key not in current else b
+        if full == "data.task_kwargs":
+            a, b = task_kwargs_dict(a), task_kwargs_dict(b)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             a, b = list(a), list(b)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -29,7 +29,6 @@ from focal_jax.train.config import DTYPES, RunConfig, check_config, config_diffe
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
-from focal_jax.train.plot import plot_losses
 from focal_jax.train.sharding import check_batch_layout, make_mesh, shard_batch, tree_shardings
 
 
@@ -468,6 +467,10 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     progress.close()
     writer.close()
     if jax.process_index() == 0 and logged:
+        # Imported here: `focal_jax.train` imports this module, and `python -m focal_jax.train.plot` warns when the
+        # package has already imported the module it is about to run.
+        from focal_jax.train.plot import plot_losses
+
         log(f"loss curve: {plot_losses([workdir], os.path.join(workdir, 'loss.png'))}")
     return logged
 
