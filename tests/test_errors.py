@@ -168,6 +168,8 @@ def test_topk_membership_needs_groups():
 
 def test_focus_errors():
     check_raises(lambda: focus_attention(Q, KK, V, G, gate="multiplicative"), "gate", "multiplicative")
+    check_raises(lambda: focus_attention(Q, KK, V, G, lam=-10.0), "lam", -10.0)
+    check_raises(lambda: focus_attention(Q, KK, V, G, lam=0), "lam", 0)
     check_raises(lambda: focus_attention(Q, KK, V, ones(B, T + 1, K)), "g")
     check_raises(lambda: focus_attention(Q, KK, V, ones(B, T, 0)), "g")              # K < 1
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="triton"), "impl", "triton")
