@@ -163,6 +163,22 @@ def test_retrofit_sections_and_adam_betas_are_checked():
             check_config(config)
 
 
+@pytest.mark.parametrize("family, model, needle", [
+    ("llama", {"attn": {"focal_t": 0.3}}, "kind='dense' does not read focal_t=0.3 (read by kinds ('focal', "),
+    ("llama", {"attn": {"kind": "focal", "focus_topk": 2}}, "kind='focal' does not read focus_topk=2"),
+    ("gpt2", {"tau_min": 2.0, "focal_t": 0.5, "kind": "focus"}, "kind='focus' does not read focal_t=0.5 (read by "
+     "kinds ('focal', 'focal+focus')), tau_min=2.0 (read by kinds ('focal_learned',))"),
+])
+def test_training_refuses_attention_settings_its_kind_does_not_read(family, model, needle, tmp_path):
+    """`--config.model.attn.focal_t=0.3` without kind='focal' trained dense attention, silently."""
+    config = default_config()
+    config.model = {"family": family, **({"size": "tiny"} if family == "llama" else {"vocab_size": 64}), **model}
+    check_config(config)  # (a stored run with such settings still loads)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        train(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_task_kwargs_is_a_section():
     """`data.task_kwargs` takes one option at a time (`--config.data.task_kwargs.n_pairs=6`) or a dict; a run stored
     with (key, value) pairs, as before, is the same config."""

@@ -252,6 +252,20 @@ class AttentionConfig:
             object.__setattr__(self, "rope_llama3", tuple(llama3))  # a list from a config file stays hashable
 
 
+# The fields that some kinds read only, with those kinds: set on a layer of another kind, one changes nothing.
+FIELD_KINDS = {"focal_t": ("focal", "focal+focus"), "tau_min": ("focal_learned",), "tau_max": ("focal_learned",),
+               "tau_mode": ("focal_learned",), "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
+               **{f.name: FOCUS_KINDS for f in dataclasses.fields(AttentionConfig) if f.name.startswith("focus_")}}
+
+
+def unread_fields(config: AttentionConfig) -> dict:
+    """`{field: value}` of the fields of `config` set away from their defaults that its kind does not read
+    (`FIELD_KINDS`), e.g. `{'focal_t': 0.3}` for kind 'dense'."""
+    defaults = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
+    return {name: getattr(config, name) for name, kinds in FIELD_KINDS.items()
+            if config.kind not in kinds and getattr(config, name) != defaults[name]}
+
+
 def check_decodable(config: AttentionConfig):
     """Raises ValueError unless a layer of `config` can decode token by token with a KV cache.
 

@@ -36,7 +36,7 @@ import re
 import jax
 from flax import nnx
 
-from focal_jax.nn.attention import CUSTOM_KINDS, FOCUS_KINDS, KINDS, Attention, AttentionConfig
+from focal_jax.nn.attention import CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.lora import LoRAConfig, add_lora
@@ -215,11 +215,6 @@ ARCHITECTURE_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias
                        "rope_theta", "focus_groups", "focus_dim")
 # The fields `replace_attention` changes (`kind` only between kinds with the same parameters).
 REPLACEABLE_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ARCHITECTURE_FIELDS)
-# Fields read by some kinds only: changing one on a layer of another kind would change nothing, so it is refused.
-_FIELD_KINDS = {"focal_t": ("focal", "focal+focus"), "tau_min": ("focal_learned",), "tau_max": ("focal_learned",),
-                "tau_mode": ("focal_learned",), "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
-                **{f.name: FOCUS_KINDS for f in dataclasses.fields(AttentionConfig)
-                   if f.name.startswith("focus_") and f.name not in ARCHITECTURE_FIELDS}}
 
 
 @functools.lru_cache(maxsize=64)
@@ -280,7 +275,7 @@ def replace_attention(model, *, allow_unused: bool = False, **changes):
         old = attn.config
         new = dataclasses.replace(old, **changes)  # validates; errors name the AttentionConfig field
         for name, value in changes.items():
-            kinds = _FIELD_KINDS.get(name)
+            kinds = FIELD_KINDS.get(name)  # changing one on a layer of another kind would change nothing
             if kinds is not None and value != getattr(old, name) and new.kind not in kinds:
                 raise ValueError(f"{name}={value!r} would change nothing on attention kind={new.kind!r} (at "
                                  f"{where}): it is read by kinds {kinds}")

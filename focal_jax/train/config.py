@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from focal_jax.data.config import DataConfig
-from focal_jax.nn.attention import FOCUS_KINDS
+from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, unread_fields
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
 from focal_jax.nn.lora import LoRAConfig
@@ -143,6 +143,17 @@ def model_config(section: dict) -> tuple[str, LlamaConfig | GPT2Config | None]:
     if size not in FOCAL_SIZES:
         raise ValueError(f"model.size={size!r} is not one of {tuple(FOCAL_SIZES)}")
     return family, focal_config(size, **section)
+
+
+def check_attention_fields(model: LlamaConfig | GPT2Config | None) -> None:
+    """ValueError naming the attention settings of `model` that its attention kind does not read (e.g.
+    `model.attn.focal_t=0.3` with kind 'dense'): the run would train another attention than the one asked for.
+    The trainer checks the runs it trains; stored runs load as they are."""
+    unread = {} if model is None else unread_fields(model.attention)
+    if unread:
+        settings = ", ".join(f"{name}={value!r} (read by kinds {FIELD_KINDS[name]})" for name, value in unread.items())
+        raise ValueError(f"model attention kind={model.attention.kind!r} does not read {settings}: set the kind "
+                         f"that uses them, or leave them out")
 
 
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:
