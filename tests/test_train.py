@@ -224,6 +224,63 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
     assert glob.glob(os.path.join(resumed, "tb", "events.*"))
 
 
+def test_resume_refuses_data_that_changed(tmp_path, cache_dir):
+    """Files added to the training glob between a run and its resume (the same config): the tokenizer was trained
+    anew on the new corpus, copied over the workdir's, and training went on with token ids of another meaning (and
+    other rows), silently. Now the resume refuses, and the workdir keeps the tokenizer its checkpoints used."""
+    from focal_jax.data.config import DataConfig
+    from focal_jax.data.sources import read_documents
+
+    docs = read_documents(DataConfig(source="builtin", cache_dir=cache_dir))[:120]  # written as text files
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(docs[:60]):
+        (corpus / f"{i:03d}.txt").write_text(doc)
+    config = tiny(cache_dir, total_steps=2)
+    config.data.update(source="text", paths=(str(corpus / "*.txt"),))
+    workdir = str(tmp_path / "run")
+    train(config, workdir, stop_after=1)
+    saved = open(os.path.join(workdir, "tokenizer.model"), "rb").read()
+    train(config, workdir, stop_after=2)  # the same data: resumes
+    assert latest_step(workdir) == 2
+    for i, doc in enumerate(docs[60:]):
+        (corpus / f"{60 + i:03d}.txt").write_text(doc)
+    config.total_steps = 3
+    with pytest.raises(ValueError, match="trained with the tokenizer .*tokenizer.model, but its data now gives "
+                                         "another one"):
+        train(config, workdir)
+    assert open(os.path.join(workdir, "tokenizer.model"), "rb").read() == saved and latest_step(workdir) == 2
+    config.data.tokenizer = os.path.join(str(tmp_path), "tok.model")
+    open(config.data.tokenizer, "wb").write(saved)  # the same tokenizer, other documents: other rows
+    other = str(tmp_path / "other")
+    for i in range(60, 120):
+        os.rename(corpus / f"{i:03d}.txt", tmp_path / f"{i:03d}.txt")
+    train(config, other, stop_after=1)
+    for i in range(60, 120):
+        os.rename(tmp_path / f"{i:03d}.txt", corpus / f"{i:03d}.txt")
+    with pytest.raises(ValueError, match="holds a run trained on other data"):
+        train(config, other)
+    assert latest_step(other) == 1
+
+
+def test_a_config_that_leaves_keys_at_their_defaults_resumes(tmp_path, cache_dir):
+    """check_config reads the keys a config leaves out at their defaults: such a run trained, but its resume failed
+    (KeyError 'total_steps' in the schedule check), and writing a default out was 'a different config'."""
+    def config(**overrides):
+        c = ml_collections.ConfigDict({"batch_size": 8, "eval_batches": 0, "log_every": 1, "compute_dtype": "float32",
+                                       "data": {"vocab_size": 512, "seq_len": 64, "cache_dir": cache_dir}})
+        c.update(overrides)
+        return c
+
+    workdir = str(tmp_path / "run")
+    train(config(), workdir, stop_after=1)  # total_steps: the default, 100
+    train(config(), workdir, stop_after=2)
+    train(config(seed=0, total_steps=100, optim={"lr": 4e-3}), workdir, stop_after=3)  # the defaults written out
+    assert latest_step(workdir) == 3 and sorted(losses(workdir)) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"different config.*optim.lr: 0.004 \(stored\) vs 0.001 \(now\)"):
+        train(config(optim={"lr": 1e-3}), workdir)
+
+
 def test_zero_steps_saves_and_evaluates_the_starting_model(tmp_path, cache_dir):
     """A 0-step run (a zero-shot baseline) evaluates its starting model and saves it as step 0; the same command
     with more steps continues from it as a run of those steps from the start would."""
@@ -389,6 +446,40 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     assert "in 2 process(es)" in outputs[0] and "devices: 8" in outputs[0]
     np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
     assert latest_step(two) == 2
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, cache_dir):
+    """One host preempted (SIGTERM to one process only): both processes save the same step and stop. Each process
+    noted its own SIGTERM at its own step: the signalled one saved and left while the other waited in the next
+    train step, and both hung."""
+    workdir = str(tmp_path / "run")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+        procs.append(run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
+                              f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
+                              "--config.total_steps=100000", "--config.eval_batches=0",
+                              "--config.ckpt_every=100000"], env=env))
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the processes did not stop after one of them got SIGTERM")
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "(SIGTERM); checkpoint saved" in outputs[0]
+    step = latest_step(workdir)
+    assert step is not None and step >= 2 and max(losses(workdir)) == step
 
 
 # ------------------------------------------------------------------------------------------------ init precedence

@@ -8,6 +8,7 @@ frozen dataclasses the code uses (so that an unknown or misspelt key fails at on
 """
 
 import dataclasses
+import json
 import os
 import typing
 
@@ -224,6 +225,19 @@ ADDED_KEYS = {"balance_weight": 0.0, "data.eval_paths": [], "data.streaming": Fa
 def task_kwargs_dict(value) -> dict:
     """`data.task_kwargs` of a config dict as a dict (runs stored by 0.6.9 and earlier hold (key, value) pairs)."""
     return dict(value.items() if hasattr(value, "items") else value or ())
+
+
+def with_defaults(config: dict) -> dict:
+    """A config dict (`checkpoint.config_json`) with the keys it leaves out (which `check_config` reads at their
+    defaults) filled in: the top-level keys and the fields of the sections `data`, `optim` and `mesh` (`model` and
+    `retrofit` stay as given: their keys depend on the model family and on which retrofits are set). So a stored
+    config and the same config with a default written out compare equal, and a resume can read any key."""
+    defaults = json.loads(default_config().to_json_best_effort(sort_keys=True))
+    complete = {**defaults, **config}
+    for section in ("data", "optim", "mesh"):
+        if isinstance(config.get(section), dict):
+            complete[section] = {**defaults[section], **config[section]}
+    return complete
 
 
 def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:

@@ -7,6 +7,7 @@ dict, the frozen ones as another), with `nnx.merge` inside the loss, so NNX API 
 
 import dataclasses
 import os
+import pathlib
 import signal
 import time
 
@@ -19,13 +20,15 @@ from flax import nnx
 
 from focal_jax.convert.hf import from_hf
 from focal_jax.data import build_data, train_iterator
+from focal_jax.data.tokenizer import copy_tokenizer, tokenizer_file
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
-from focal_jax.train.config import DTYPES, RunConfig, check_attention_fields, check_config, config_differences
+from focal_jax.train.config import (DTYPES, RunConfig, check_attention_fields, check_config, config_differences,
+                                    with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -282,8 +285,9 @@ def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
     """Say so when a resumed run's learning rate after `step` differs from what the stored run would have used:
     `total_steps` and `optim.decay_steps` may change on resume, and the cosine decay ends at `decay_steps`
     (default `total_steps`)."""
+    stored_config = with_defaults(stored_config)  # (a config may leave keys at their defaults)
     stored_total = stored_config["total_steps"]
-    stored_optim = dataclasses.replace(run.optim, decay_steps=stored_config.get("optim", {}).get("decay_steps"))
+    stored_optim = dataclasses.replace(run.optim, decay_steps=stored_config["optim"]["decay_steps"])
     before = float(learning_rate_schedule(stored_optim, stored_total)(step))
     now = float(learning_rate_schedule(run.optim, run.total_steps)(step))
     if not np.isclose(before, now, rtol=1e-6, atol=0.0):
@@ -293,14 +297,53 @@ def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
             f"--config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
 
 
-class StopSignal:
-    """Remembers a SIGTERM (preemption) so that the loop saves a checkpoint and stops at the next step."""
+def data_fingerprint(data) -> dict | None:
+    """What identifies a run's in-memory training data (its data state is only the next batch's index, so a resumed
+    run must build the same rows); None when streaming (the stream's data state holds a digest of its files)."""
+    if data.streaming:
+        return None
+    return {"documents": data.n_train_documents, "rows": data.n_train_rows, "tokens": data.n_train_tokens,
+            "eval_documents": data.n_eval_documents}
 
-    def __init__(self):
+
+def check_resumed_data(workdir: str, data, meta: dict):
+    """ValueError unless the data a resumed run built is the data its checkpoints were trained on: the tokenizer the
+    workdir holds (a tokenizer trained on a corpus whose files changed would give token ids another meaning) and,
+    in memory, the same training rows (`data_fingerprint`, recorded since checkpoints hold it). Copies the tokenizer
+    into a workdir that lacks it."""
+    try:
+        saved = tokenizer_file(workdir)
+    except FileNotFoundError:
+        copy_tokenizer(data.tokenizer, workdir)
+        saved = None
+    if saved is not None and pathlib.Path(saved).read_bytes() != pathlib.Path(data.tokenizer.path).read_bytes():
+        raise ValueError(f"workdir {workdir} holds a run trained with the tokenizer {saved}, but its data now gives "
+                         f"another one ({data.tokenizer.path}): the training files (data.paths) or data.tokenizer "
+                         f"changed since its checkpoints; restore them, or use a new workdir")
+    stored, now = meta.get("data"), data_fingerprint(data)
+    if stored is not None and now is not None and stored != now:
+        raise ValueError(f"workdir {workdir} holds a run trained on other data: {stored} then, {now} now (the "
+                         f"training files, data.paths, changed since its checkpoints); restore them, or use a new "
+                         f"workdir")
+
+
+class StopSignal:
+    """Remembers a SIGTERM (preemption) so that the loop saves a checkpoint and stops at the next step.
+
+    Single-process runs only (`install=False` leaves SIGTERM alone): in a multi-process run the processes must stop
+    at the same step, since saving and every train step are collective, but each would note its own SIGTERM at a
+    step of its own (or one process alone is preempted), and the others would wait for it forever. There, JAX's
+    preemption service (started by `jax.distributed.initialize`) catches SIGTERM on any process and agrees with the
+    others on one step (`manager.reached_preemption`); a Python handler would take SIGTERM away from it."""
+
+    def __init__(self, install: bool = True):
         self.received = False
         self._previous = None
+        self._install = install
 
     def __enter__(self):
+        if not self._install:
+            return self
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         except ValueError:  # not the main thread: no handler
@@ -334,7 +377,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
         _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(stored["config"], checkpoint.config_json(config))
+        diffs = config_differences(with_defaults(stored["config"]), with_defaults(checkpoint.config_json(config)))
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
@@ -346,7 +389,11 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         f"mesh {dict(mesh.shape)}; workdir {workdir}")
 
     # ---------------------------------------------------------------- Data
-    data = build_data(run.data, global_batch=run.batch_size, seed=run.seed, workdir=workdir)
+    # A resumed run keeps the tokenizer its workdir holds (check_resumed_data), rather than one built anew.
+    data = build_data(run.data, global_batch=run.batch_size, seed=run.seed,
+                      workdir=workdir if resume_step is None else None)
+    if resume_step is not None:
+        check_resumed_data(workdir, data, stored)
     log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
 
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
@@ -404,7 +451,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         warn_if_schedule_changed(stored["config"], run, resume_step)
     manager.close()
     meta = {"config": checkpoint.config_json(config), "init_from": run.init_from, "init_from_step": init_from_step,
-            "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable)}
+            "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable),
+            "data": data_fingerprint(data)}
 
     # ---------------------------------------------------------------- Compiled steps
     train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype], balance_weight=run.balance_weight)
@@ -427,7 +475,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     progress = Progress(run.total_steps, initial_step=start_step)
     logged, last_time, last_step = [], time.perf_counter(), start_step
     # The mesh context lets the Pallas kernels run per shard (`focal_jax.kernels.partition`); the steps trace here.
-    with StopSignal() as stop, jax.set_mesh(mesh):
+    with StopSignal(install=jax.process_count() == 1) as stop, jax.set_mesh(mesh):
         if run.total_steps == 0 and resume_step is None:  # a zero-shot baseline: the starting model, evaluated, saved
             if eval_batches:
                 writer.write(0, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
@@ -455,12 +503,13 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 writer.write(step, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
                 last_time += time.perf_counter() - eval_start  # tokens_per_s and mfu count training time only
 
-            stopping = stop.received or step == stop_after or manager.reached_preemption(step)
+            preempted = stop.received or manager.reached_preemption(step)
+            stopping = preempted or step == stop_after
             if step % run.ckpt_every == 0 or step == run.total_steps or stopping:
                 checkpoint.save(manager, step, params=saved_params(trainable), opt_state=opt_state,
                                 data_state=data_iter.get_state(), meta={**meta, "step": step}, force=True)
             if stopping:
-                log(f"stopping at step {step} ({'SIGTERM' if stop.received else 'requested'}); checkpoint saved")
+                log(f"stopping at step {step} ({'SIGTERM' if preempted else 'requested'}); checkpoint saved")
                 break
     # ---------------------------------------------------------------- Finish
     manager.wait_until_finished()
