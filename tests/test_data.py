@@ -8,6 +8,8 @@ import collections
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -112,6 +114,16 @@ def test_jsonl_source_and_missing_field_names_file_and_line(tmp_path):
     path.write_text('{"text": "one"}\n{"body": "two"}\n')
     check_raises(lambda: read_documents(DataConfig(source="jsonl", paths=[str(path)])),
                  str(path), "line 2", "'text'", "body")
+
+
+def test_a_byte_order_mark_starting_a_file_is_not_text(tmp_path):
+    """Editors on Windows start utf-8 files with a BOM (U+FEFF): the text source kept it as the document's first
+    character, and the jsonl source refused the file's first line as invalid JSON."""
+    (tmp_path / "a.txt").write_text("first\ufefffile", encoding="utf-8-sig")
+    (tmp_path / "d.jsonl").write_text('{"text": "one"}\n{"text": "\ufefftwo"}\n', encoding="utf-8-sig")
+    assert (tmp_path / "a.txt").read_bytes().startswith(b"\xef\xbb\xbf")
+    assert read_documents(DataConfig(source="text", paths=str(tmp_path / "a.txt"))) == ["first\ufefffile"]
+    assert read_documents(DataConfig(source="jsonl", paths=str(tmp_path / "d.jsonl"))) == ["one", "\ufefftwo"]
 
 
 def test_parquet_source_and_missing_column_names_the_columns(tmp_path):
@@ -605,3 +617,22 @@ def test_sentencepiece_model_without_bos_starts_documents_with_eos(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.start_id) == (None, 1, None, 1)
     doc = words(1, seed=9)[0]
     assert encode_documents(tok, [doc])[0].tolist() == [1] + reference.encode(doc) + [1]
+
+
+def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its_path(tmp_path):
+    cache = str(tmp_path / "cache")
+    config = DataConfig(source="synthetic", task="needle", task_kwargs={"n_sentences": 6, "n_keys": 2},
+                        n_synthetic=150, vocab_size=400, cache_dir=cache, seq_len=SEQ, eval_fraction=0.1)
+    command = [sys.executable, "-m", "focal_jax.data", "--source", "synthetic", "--task", "needle", "--task_kwargs",
+               "n_sentences=6", "n_keys=2", "--n_synthetic", "150", "--vocab_size", "400", "--eval_fraction", "0.1",
+               "--cache_dir", cache]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert "training a 400-piece" in done.stderr  # progress on stderr: stdout is the path alone
+    printed = done.stdout.splitlines()
+    data = build_data(config, global_batch=2, seed=0, process_index=0, process_count=1)
+    assert printed == [data.tokenizer.path] and os.listdir(cache) == [os.path.basename(printed[0])]
+    from focal_jax.data.__main__ import main
+
+    for bad in ("n_keys", "n_keys=two"):
+        with pytest.raises(SystemExit):
+            main(["--source", "synthetic", "--task_kwargs", bad])

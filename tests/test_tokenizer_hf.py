@@ -210,3 +210,25 @@ def test_a_json_file_that_is_not_a_tokenizer_is_named(tmp_path):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=rf"{name}' is not a Hugging Face tokenizer\.json"):
             load_tokenizer(str(tmp_path / name))
+
+
+def test_a_documents_own_special_token_text_is_ordinary_text(hf_tokenizer, tmp_path):
+    """A document that mentions `<|endoftext|>` keeps it as text: the only eos ids of its packed segment are its
+    framing (first and last), in memory and streamed, and the tokens decode back to the document."""
+    path, reference, eos = hf_tokenizer
+    doc = f"GPT-2 separates its documents with {EOS} between them. {SENTENCES[0]}"
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": doc}) + "\n" + json.dumps({"text": SENTENCES[1]}) + "\n")
+    settings = dict(source="jsonl", paths=(str(tmp_path / "docs.jsonl"),), tokenizer=path, seq_len=512,
+                    eval_fraction=0.0, shuffle=False)
+    for streaming in (False, True):
+        data = build_data(DataConfig(**settings, streaming=streaming, prefetch=0 if streaming else 2),
+                          global_batch=1, seed=0, process_index=0, process_count=1)
+        row = next(iter(data.train))["inputs"][0] if streaming else data.train[0]["inputs"][0]
+        tokens = row.tolist()
+        first = tokens[:tokens.index(eos, 1) + 1]  # [eos] + the document's tokens + [eos]
+        assert first[0] == eos and eos not in first[1:-1], streaming
+        plain = tokenizers.Tokenizer.from_file(path)
+        plain.encode_special_tokens = True  # the reference: the tokenizers library reading the text as text
+        assert first[1:-1] == plain.encode(doc, add_special_tokens=False).ids
+        assert reference.decode(first[1:-1]) == doc
+    assert load_tokenizer(path).encode(EOS) == [eos]  # `encode` itself still reads special tokens

@@ -199,7 +199,7 @@ def train_iterator(data: Data) -> grain.DatasetIterator:
 def encode_documents(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndarray]:
     """Documents -> one int32 array `[n_tokens + 2]` per document: `tokenizer.start_id` (the bos, or the eos when
     the tokenizer has no bos), the tokens, eos."""
-    ids = tokenizer.encode_batch(documents)
+    ids = tokenizer.encode_batch(documents, special_tokens=False)
     return [frame(doc, tokenizer.start_id, tokenizer.eos_id) for doc in ids]
 
 

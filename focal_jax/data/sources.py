@@ -116,7 +116,7 @@ def _read_text(path, field, start_record, start_byte, wanted):
         yield 0, 0, 0, None
         return
     try:
-        with open(path, encoding="utf-8") as f:  # text mode: universal newlines, as the file is meant to be read
+        with open(path, encoding="utf-8-sig") as f:  # text mode: universal newlines; a leading BOM is dropped
             text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not utf-8 text ({e})") from None
@@ -137,7 +137,7 @@ def _read_jsonl(path, field, start_record, start_byte, wanted):
 def _jsonl_text(path: str, number: int, line: bytes, field: str) -> str | None:
     """The document of jsonl line `number` (1-based), None for a blank line."""
     try:
-        line = line.decode("utf-8")
+        line = line.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM may start the file
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}, line {number}: not utf-8 text ({e})") from None
     if not line.strip():

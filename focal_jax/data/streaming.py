@@ -225,7 +225,7 @@ def _encoded(items: Iterator, tokenizer: Tokenizer) -> Iterator:
     def flush():
         if not batch:
             return []
-        ids = tokenizer.encode_batch([doc.text for doc in batch])
+        ids = tokenizer.encode_batch([doc.text for doc in batch], special_tokens=False)
         out = [(frame(i, tokenizer.start_id, tokenizer.eos_id), doc) for i, doc in zip(ids, batch)]
         batch.clear()
         return out

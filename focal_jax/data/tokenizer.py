@@ -67,6 +67,9 @@ class Tokenizer:
     every id is below it), `pad_id`, `unk_id`, `bos_id`, `eos_id` (None when the tokenizer has no such token; eos
     always exists), `start_id` (the token before every document: bos, or eos without one). `encode` adds no special
     tokens (not even those of a tokenizer.json's post-processor); the data pipeline adds them around each document.
+    A tokenizer.json reads the text of its special tokens (`<|endoftext|>`) as those tokens, as the `tokenizers`
+    library does; `encode_batch(texts, special_tokens=False)`, which the data pipeline uses for documents, reads it
+    as ordinary text, so a document's own text never yields an eos (or bos, pad) in the middle of its segment.
     Raises FileNotFoundError / ValueError naming the file when it or its special ids are missing or invalid.
     """
 
@@ -101,11 +104,27 @@ class Tokenizer:
             return self._hf.encode(text, add_special_tokens=False).ids
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Several texts at once (multi-threaded) -> one id list per text."""
+    def encode_batch(self, texts: list[str], *, special_tokens: bool = True) -> list[list[int]]:
+        """Several texts at once (multi-threaded) -> one id list per text.
+
+        special_tokens: whether the text of a special token of a tokenizer.json (`<|endoftext|>`) encodes as that
+        token (True, as `encode`) or as ordinary text (False: documents, whose text must not end them early). A
+        SentencePiece model never reads its control tokens (`<s>`, `</s>`) from text."""
         if self.kind == "huggingface":
-            return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+            hf = self._hf if special_tokens else self._hf_plain_text()
+            return [e.ids for e in hf.encode_batch(list(texts), add_special_tokens=False)]
         return self._sp.encode(list(texts))
+
+    def _hf_plain_text(self) -> tokenizers.Tokenizer:
+        """A second copy of the tokenizer.json that encodes the text of special tokens as ordinary text (a copy, so
+        that `encode` keeps its behaviour while another thread encodes documents)."""
+        if getattr(self, "_hf_text", None) is None:
+            hf = tokenizers.Tokenizer.from_file(self.path)
+            hf.no_truncation()
+            hf.no_padding()
+            hf.encode_special_tokens = True
+            self._hf_text = hf
+        return self._hf_text
 
     def decode(self, ids) -> str:
         """Token ids `[n_tokens]` (list or 1-D array) -> text; pad / bos / eos (and a tokenizer.json's other
