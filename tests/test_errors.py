@@ -197,3 +197,21 @@ def test_bad_softcap(bad):
     check_raises(lambda: focus_attention(Q, KK, V, G, window=2, softcap=bad), "softcap", bad)
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, softcap=bad, impl="decomposed"),
                  "softcap", bad)
+
+
+@pytest.mark.parametrize("gate", ["paper", "log"])
+def test_infinite_lam_is_refused(gate):
+    # lam = inf: inf * 0 = NaN logits wherever the affinity is 0 ('paper') or 1/2 ('log', as with this uniform G)
+    check_raises(lambda: focus_attention(Q, KK, V, G, gate=gate, lam=float("inf")), "lam", "inf")
+
+
+def test_smooth_clip_needs_a_finite_tau_max():
+    x = jnp.ones((B, T, 4))
+    check_raises(lambda: learned_temperature(x, jnp.zeros(4), tau_min=1.0, tau_max=float("inf"), clip="smooth"),
+                 "tau_max", "inf")
+    learned_temperature(x, jnp.zeros(4), tau_min=1.0, tau_max=float("inf"), clip="hard")  # no upper clip: fine
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+def test_infinite_array_scale_is_refused(fn):
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, scale=jnp.float32(jnp.inf)), "scale", "inf")

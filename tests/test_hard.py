@@ -394,3 +394,17 @@ def test_softcap_caps_the_logits():
     capped = sparse(q, k, v, mem, impl="decomposed", block_size=block, **kw)
     uncapped = sparse(q, k, v, mem, impl="decomposed", block_size=block, **{**kw, "softcap": None})
     assert float(jnp.max(jnp.abs(capped - uncapped))) > 1e-2
+
+
+def test_64_bit_segment_ids_that_differ_above_bit_31_stay_apart():
+    """With x64, int64 segment ids (e.g. hashed document ids) 7 and 7 + 2**32 are two documents for every impl (the
+    decomposed path cast them to int32, which merged them)."""
+    with jax.enable_x64(True):
+        q, k, v = rand_qkv(30, 1, 8, 2, 2, 4)
+        mem = jnp.asarray(make_membership(31, 1, 8, 2, 1))
+        seg = jnp.array([[7] * 4 + [7 + 2 ** 32] * 4], jnp.int64)
+        want = reference.focus_hard_attention(q, k, v, mem, window=1, segment_ids=seg)
+        got = focus_sparse_attention(q, k, v, mem, window=1, segment_ids=seg, impl="decomposed", block_size=4)
+        assert_close(got, want, what="decomposed, int64 segment ids")
+        assert_close(got, focus_sparse_attention(q, k, v, mem, window=1, segment_ids=jnp.array([[0] * 4 + [1] * 4]),
+                                                 impl="decomposed", block_size=4), what="the same documents as ids 0, 1")

@@ -72,6 +72,18 @@ def check_positive(name, value):
             raise ValueError(f"{name} must be > 0 everywhere, got an array with minimum {smallest}")
 
 
+def check_finite(name, value):
+    """Checks a number, or an array whose values can be inspected now, is finite (inf or NaN: NaN outputs)."""
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        finite = bool(np.isfinite(value))
+    elif is_concrete(value):
+        finite = bool(jnp.all(jnp.isfinite(value)))
+    else:
+        return
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {name}={value!r}")
+
+
 def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
@@ -83,8 +95,7 @@ def logit_multiplier(q, scale, temperature):
     if scale is None:
         scale = 1.0 / np.sqrt(d)
     check_positive("scale", scale)
-    if isinstance(scale, (int, float, np.floating, np.integer)) and not np.isfinite(scale):
-        raise ValueError(f"scale must be a finite number > 0, got scale={scale!r}")
+    check_finite("scale", scale)  # (inf: every output NaN)
     check_positive("temperature", temperature)
     if isinstance(temperature, (int, float, np.floating, np.integer)):
         return scale / temperature

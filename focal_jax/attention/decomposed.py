@@ -373,6 +373,10 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     scaled_q = (q.astype(jnp.float32) * multiplier).astype(q.dtype).reshape(b, t, hk, h // hk, d)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
+    elif jnp.dtype(segment_ids.dtype).itemsize > 4:
+        # 64-bit ids (x64): rank them per row, as the Pallas plan does, so that the int32 routing keeps ids that differ
+        # only above bit 31 apart (a plain cast merges those documents)
+        segment_ids = jax.vmap(lambda s: jnp.searchsorted(jnp.sort(s), s))(segment_ids)
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size, max_groups))(membership, segment_ids)
 
     def one_sequence(args):

@@ -204,6 +204,8 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
     _validate.check_choice("mode", mode, ("prefix", "sequence"))
     _validate.check_choice("clip", clip, ("hard", "smooth", "straight_through"))
+    if clip == "smooth":  # its width and midpoint need a finite range (tau_max = inf: every tau NaN)
+        _validate.check_finite("tau_max", tau_max)
     b, t, _ = x.shape
     _validate.check_segment_ids(segment_ids, b, t)
     z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), w_tau.astype(jnp.float32))

@@ -130,6 +130,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
     b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
     _validate.check_choice("gate", gate, GATES)
     _validate.check_positive("lam", lam)  # (lam < 0 would gate the pairs of shared groups most)
+    _validate.check_finite("lam", lam)  # (lam = inf: inf * 0 = NaN logits wherever the affinity is 0, or 1/2)
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     _validate.check_softcap(softcap)
     logits = attention_logits(q, k, multiplier, softcap)
