@@ -291,3 +291,11 @@ def test_helpers_and_bad_input(model, tokenizer):
         lm.generate_until(requests(("hi", {})), disable_tqdm=True)
     with pytest.raises(ValueError, match="does not fit max_length=16"):
         lm.loglikelihood(requests(("a", " " + SENTENCES[0])), disable_tqdm=True)
+
+
+def test_command_line_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    from focal_jax.eval import harness
+
+    with pytest.raises(SystemExit) as info:  # a usage error, not a FileNotFoundError traceback
+        harness.main(["--workdir", str(tmp_path), "--tasks", "arc_easy"])
+    assert info.value.code == 2 and "tokenizer.model" in capsys.readouterr().err

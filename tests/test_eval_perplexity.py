@@ -243,6 +243,7 @@ def test_command_line_on_a_training_workdir_matches_the_trainers_eval_loss(tmp_p
     with open(out) as f:
         saved = json.load(f)
     assert saved["rows"][1]["loss"] == rows[1]["loss"] and saved["settings"]["seq_len"] == 32
+    assert saved["settings"]["impl"] is None  # the model's own
 
 
 def test_command_line_step_and_window(tmp_path):

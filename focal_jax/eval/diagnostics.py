@@ -596,6 +596,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--png", help="write the entropy heatmap and dominance plot here")
     args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top must be an integer >= 1, got --top={args.top}")
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step)
@@ -606,7 +608,12 @@ def main(argv=None) -> dict:
         if not is_focus(model):
             parser.error(f"--topk={args.topk} needs a Focus model; this one has attention kind "
                          f"{sorted({c.kind for c in attention_configs(model)})}")
-        model = attention_view(model, focus_topk=args.topk)
+        try:
+            model = attention_view(model, focus_topk=args.topk)
+        except ValueError as e:
+            parser.error(f"--topk={args.topk}: {e}")
+    if args.png and args.no_entropy and not is_focus(model):
+        parser.error("--png with --no-entropy has nothing to plot for a model without Focus routing")
     print(f"diagnostics of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
           f"{np.shape(run.batches[0]['inputs'])} tokens", flush=True)
     result = diagnose(model, run.batches, top=args.top, entropy=not args.no_entropy, progress=True)

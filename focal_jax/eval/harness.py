@@ -370,12 +370,15 @@ def main(argv=None) -> dict:
     from lm_eval.tasks import TaskManager
 
     options = dict(batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks)
-    if args.workdir:
-        lm = FocalJaxLM.from_workdir(args.workdir, step=args.step, **options)
-    else:
-        from focal_jax.convert.hf import from_hf
+    try:
+        if args.workdir:
+            lm = FocalJaxLM.from_workdir(args.workdir, step=args.step, **options)
+        else:
+            from focal_jax.convert.hf import from_hf
 
-        lm = FocalJaxLM(from_hf(args.hf), load_tokenizer(args.tokenizer or tokenizer_file(args.hf)), **options)
+            lm = FocalJaxLM(from_hf(args.hf), load_tokenizer(args.tokenizer or tokenizer_file(args.hf)), **options)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
     print(f"focal_jax: evaluating {type(lm.model).__name__} (max_length {lm.max_length}, batch {lm.batch_size}) "
           f"on {args.tasks}", flush=True)
     results = lm_eval.simple_evaluate(

@@ -343,7 +343,11 @@ def main(argv=None) -> list[dict]:
         if any(c.rope_theta is None for c in attention_configs(model)):
             parser.error(f"--rope-ntk-factor={args.rope_ntk_factor} needs rotary embeddings; this "
                          f"{type(model).__name__} model has none")
-        model = attention_view(model, rope_ntk_factor=args.rope_ntk_factor, rope_trained_len=run.trained_seq_len)
+        try:
+            model = attention_view(model, rope_ntk_factor=args.rope_ntk_factor,
+                                   rope_trained_len=run.trained_seq_len)
+        except ValueError as e:
+            parser.error(str(e))
     if args.window is not None:
         try:
             model = attention_view(model, window=args.window)
@@ -360,7 +364,8 @@ def main(argv=None) -> list[dict]:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         settings = dict(workdir=args.workdir, step=run.step, seq_len=run.seq_len, trained_seq_len=run.trained_seq_len,
-                        batches=len(run.batches), rope_ntk_factor=args.rope_ntk_factor, window=args.window)
+                        batches=len(run.batches), rope_ntk_factor=args.rope_ntk_factor, window=args.window,
+                        impl=args.impl)
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")

@@ -371,8 +371,12 @@ def main(argv=None) -> list[dict]:
     with open(os.path.join(out, "recall.json"), "w") as f:
         json.dump(record, f, indent=2)
     label = f"{os.path.basename(workdir)} (step {step}{f', top-{args.topk}' if args.topk else ''})"
-    png = plot_recall(rows, os.path.join(out, "recall.png"), title=f"recall: {label}")
-    print(f"recall: wrote {os.path.join(out, 'recall.json')} and {png}")
+    written = [os.path.join(out, "recall.json")]
+    if any(r["accuracy"] is not None for r in rows):
+        written.append(plot_recall(rows, os.path.join(out, "recall.png"), title=f"recall: {label}"))
+    else:
+        print("recall: every cell was skipped (see the reasons above): no plot")
+    print(f"recall: wrote {' and '.join(written)}")
     return rows
 
 
