@@ -180,6 +180,20 @@ def test_packed_segments_equal_separate_documents(hf_dir, dense):
     np.testing.assert_allclose(logits[:, 10:], _torch_logits(torch_model, b), atol=1e-4, rtol=1e-4)
 
 
+def test_packed_segments_default_positions_restart_per_document(hf_dir, dense):
+    """Without positions, segment ids alone make positions restart at each document (as Llama's do), so a packed
+    document's logits equal the document run alone; a document split around another counts on."""
+    _, torch_model = hf_dir
+    a, b = _tokens(1, 10, seed=5), _tokens(1, 13, seed=6)
+    logits = np.asarray(dense(jnp.asarray(np.concatenate([a, b], axis=1)),
+                              segment_ids=jnp.asarray([[1] * 10 + [2] * 13], jnp.int32)))
+    np.testing.assert_allclose(logits[:, :10], _torch_logits(torch_model, a), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[:, 10:], _torch_logits(torch_model, b), atol=1e-4, rtol=1e-4)
+    split = np.asarray(dense(jnp.asarray(np.concatenate([a[:, :4], b, a[:, 4:]], axis=1)),
+                             segment_ids=jnp.asarray([[1] * 4 + [2] * 13 + [1] * 6], jnp.int32)))
+    np.testing.assert_allclose(split[:, np.r_[0:4, 17:23]], _torch_logits(torch_model, a), atol=1e-4, rtol=1e-4)
+
+
 def test_bfloat16_load(hf_dir):
     """dtype=bfloat16 stores every parameter (new Centroids too) in bf16; logits stay float32 and near PyTorch's."""
     path, torch_model = hf_dir

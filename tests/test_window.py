@@ -370,3 +370,17 @@ def test_window_baseline_on_a_gpt2_run(tmp_path):
     run = check_config(config)
     assert run.family == "gpt2" and run.model.window == 5 and run.retrofit == ()
     assert dataclasses.replace(run.model, window=None) == check_config(base).model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_positions_and_segment_ids_as_lists_or_floats(family):
+    """positions and segment_ids may be nested lists like tokens; float positions are refused, naming the dtype."""
+    from focal_jax.nn.llama import Llama, LlamaConfig
+    model = (Llama(LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, intermediate=32), rngs=nnx.Rngs(0))
+             if family == "llama" else GPT2(GPT2Config(vocab_size=32, n_positions=8, d_model=16, n_layers=1,
+                                                       n_heads=2), rngs=nnx.Rngs(0)))
+    tokens = [[1, 2, 3, 4]]
+    want = model(jnp.asarray(tokens), positions=jnp.asarray([[0, 1, 0, 1]]), segment_ids=jnp.asarray([[1, 1, 2, 2]]))
+    np.testing.assert_array_equal(model(tokens, positions=[[0, 1, 0, 1]], segment_ids=[[1, 1, 2, 2]]), want)
+    with pytest.raises(ValueError, match="positions must .*integers.*float32"):
+        model(tokens, positions=jnp.asarray([[0.0, 0.5, 1.0, 1.5]]))

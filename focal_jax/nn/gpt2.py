@@ -25,6 +25,7 @@ from flax import nnx
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import apply_block, embed, rows_at
+from focal_jax.nn.llama import segment_positions
 
 ACTIVATIONS = {
     # Hugging Face names -> jax.nn.gelu's `approximate` flag.
@@ -161,8 +162,9 @@ class GPT2Block(nnx.Module):
 class GPT2(nnx.Module):
     """GPT-2 language model: `model(tokens [B, T], positions=None, segment_ids=None) -> float32 logits [B, T, V]`.
 
-    `positions [B, T]` (default `0..T-1`) index the learned position table and must be `< n_positions`;
-    `segment_ids [B, T]` keep packed documents apart in attention.
+    `positions [B, T]` (default `0..T-1`, restarting at each segment when `segment_ids` is given, as in `Llama`)
+    index the learned position table and must be `< n_positions`; `segment_ids [B, T]` keep packed documents apart
+    in attention.
     """
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
@@ -192,7 +194,14 @@ class GPT2(nnx.Module):
                 raise ValueError(f"cache max_len={max_len} exceeds n_positions={self.config.n_positions}")
             if positions is None:
                 positions = jnp.broadcast_to(cache["index"] + jnp.arange(t, dtype=jnp.int32), (b, t))
-        if positions is None:
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+        if segment_ids is not None and jnp.shape(segment_ids) != (b, t):
+            raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
+                             f"{jnp.shape(segment_ids)}")
+        if positions is None and segment_ids is not None:
+            positions = segment_positions(jnp.asarray(segment_ids))  # restarting at each document, as Llama's
+        elif positions is None:
             if t > self.config.n_positions:
                 raise ValueError(f"sequence length {t} exceeds n_positions={self.config.n_positions}")
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -200,9 +209,8 @@ class GPT2(nnx.Module):
             positions = jnp.asarray(positions)
             if positions.shape != (b, t):
                 raise ValueError(f"positions must have shape [batch, seq] = {(b, t)}, got shape {positions.shape}")
-        if segment_ids is not None and jnp.shape(segment_ids) != (b, t):
-            raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
-                             f"{jnp.shape(segment_ids)}")
+            if not jnp.issubdtype(positions.dtype, jnp.integer):
+                raise ValueError(f"positions must be integers, got dtype {positions.dtype}")
         x = embed(self.wte, tokens) + embed(self.wpe, positions, what="positions")
         layer_caches = []
         for i, block in enumerate(self.h):

@@ -143,6 +143,13 @@ class Llama(nnx.Module):
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
+        if positions is not None:
+            positions = jnp.asarray(positions)
+            if tuple(positions.shape) != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+                raise ValueError(f"positions must be integers of the shape of tokens {tokens.shape}, got shape "
+                                 f"{positions.shape} dtype {positions.dtype}")
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
         if segment_ids is not None and tuple(jnp.shape(segment_ids)) != tokens.shape:
             raise ValueError(f"segment_ids must have the shape of tokens {tokens.shape}, got shape "
                              f"{jnp.shape(segment_ids)}")
