@@ -101,6 +101,10 @@ def test_segment_ids_shape():
     check_raises(lambda: focal_attention(Q, KK, V, segment_ids=jnp.zeros((B, T + 1), jnp.int32)), "segment_ids")
     check_raises(lambda: sinkhorn(G, segment_ids=jnp.zeros((B, T - 1), jnp.int32)), "segment_ids")
     check_raises(lambda: focus_mask(MEM, window=2, segment_ids=jnp.zeros((B + 1, T), jnp.int32)), "segment_ids")
+    as_list = [[0] * T] * B  # (a bare AttributeError before)
+    check_raises(lambda: focal_attention(Q, KK, V, segment_ids=as_list), "segment_ids", "list")
+    check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, window=2, segment_ids=as_list, impl="decomposed"),
+                 "segment_ids", "list")
 
 
 # ------------------------------------------------------------------------------------------------------------

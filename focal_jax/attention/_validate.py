@@ -55,6 +55,8 @@ def check_window(window, *, allow_none=True):
 def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
     if segment_ids is None:
         return
+    if not hasattr(segment_ids, "shape"):
+        raise ValueError(f"{name} must be an integer array [batch, seq], got a {type(segment_ids).__name__}")
     if tuple(segment_ids.shape) != (batch, seq):
         raise ValueError(f"{name} must have shape [batch, seq] = {(batch, seq)}, got shape {segment_ids.shape}")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
