@@ -200,7 +200,7 @@ class GPT2(nnx.Module):
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, t)}, got shape "
                              f"{jnp.shape(segment_ids)}")
         if positions is None and segment_ids is not None:
-            positions = segment_positions(jnp.asarray(segment_ids))  # restarting at each document, as Llama's
+            positions = segment_positions(segment_ids)  # restarting at each document, as Llama's
         elif positions is None:
             if t > self.config.n_positions:
                 raise ValueError(f"sequence length {t} exceeds n_positions={self.config.n_positions}")
