@@ -53,6 +53,8 @@ def check_positive(name: str, value):
 
 def batch_size(batch_tokens: int, seq_len: int) -> int:
     """Sequences per step for a batch of `batch_tokens` tokens, e.g. `batch_size(2**18, 4096) == 64`."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"config argument seq_len={seq_len!r} must be an integer >= 1")
     if batch_tokens % seq_len:
         raise ValueError(f"a batch of {batch_tokens} tokens is not a whole number of {seq_len}-token sequences")
     return batch_tokens // seq_len
@@ -62,12 +64,15 @@ def set_data(config: ml_collections.ConfigDict, pattern: str) -> ml_collections.
     """Read the training documents from the files matching `pattern` (a glob; the source type from its ending:
     .txt one document per file, .jsonl / .parquet the 'text' field or column, .array_record), streamed
     (`data.streaming`: read lazily while training, as the papers' corpora need; `--config.data.streaming=False`
-    reads them into memory instead); '' keeps the builtin corpus."""
+    reads them into memory instead), held out by `data.eval_fraction` (the held-out files and the field of a
+    base run's corpus, which `start_from` copied, belong to that corpus: `--config.data.eval_paths` sets files of
+    this one); '' keeps the builtin corpus (or the base run's data)."""
     if pattern:
         ending = next((e for e in DATA_SOURCES if pattern.endswith(e)), None)
         if ending is None:
             raise ValueError(f"config argument data={pattern!r} must end in one of {tuple(DATA_SOURCES)}")
-        config.data.update(source=DATA_SOURCES[ending], paths=(pattern,), streaming=True)
+        config.data.update(source=DATA_SOURCES[ending], paths=(pattern,), streaming=True, eval_paths=(),
+                           field="text")
     return config
 
 
@@ -110,6 +115,17 @@ def base_run(workdir: str) -> dict:
     if not os.path.isdir(os.path.expanduser(workdir)):
         raise ValueError(f"init_from={workdir!r} is not a directory (a focal_jax workdir)")
     return read_meta(os.path.expanduser(workdir))[1]["config"]
+
+
+def check_base_kind(init_from: str, kinds: tuple, argument: str) -> dict:
+    """The stored model section of the run `init_from` (family llama), after a ValueError unless its attention
+    kind is one of `kinds` (what `argument`, e.g. 'variant=focal', says the base run is)."""
+    model = base_run(init_from)["model"]
+    kind = dict(model.get("attn") or {}).get("kind", "dense")
+    if model.get("family", "llama") != "llama" or kind not in kinds:
+        raise ValueError(f"init_from={init_from!r} is a {model.get('family', 'llama')} run with attention "
+                         f"kind={kind!r}, but {argument} starts from a LLaMA run with kind in {kinds}")
+    return model
 
 
 def start_from(config: ml_collections.ConfigDict, *, init_from: str, hf: str, experiment: str) -> dict | None:
@@ -166,18 +182,24 @@ def _convert(name: str, text: str, default):
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     """Parse `'runlocal,size=400M'` into a ConfigDict over `defaults` (each known name with its default value;
-    a bare name sets a boolean to True). Unknown names fail with the list of known ones.
+    a bare name sets a boolean to True). Unknown names fail with the list of known ones, a name given twice with
+    both values.
 
     Example:
       >>> parse_arg('runlocal,size=tiny,steps=5', runlocal=False, size='400M', steps=10).to_dict()
       {'runlocal': True, 'size': 'tiny', 'steps': 5}
     """
     result = ml_collections.ConfigDict(defaults)
+    given = {}
     for item in filter(None, (arg or "").split(",")):
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in defaults:
             raise ValueError(f"unknown config argument {name!r}; known: {sorted(defaults)}")
+        if name in given:
+            raise ValueError(f"config argument {name!r} is given twice ({given[name]!r} and {item.strip()!r}); "
+                             f"give it once")
+        given[name] = item.strip()
         if not _:
             if not isinstance(defaults[name], bool):
                 raise ValueError(f"config argument {name!r} needs a value ({name}=...)")

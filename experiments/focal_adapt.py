@@ -35,6 +35,7 @@ def get_config(arg=None):
         raise ValueError("focal_adapt needs init_from=WORKDIR (the baseline run to adapt, e.g. "
                          "/runs/focal_tokens/baseline)")
     common.check_positive("t", arg.t)
+    common.check_base_kind(arg.init_from, ("dense",), "focal_adapt (a baseline, t = 1, switched to t)")
     attn = {"kind": "dense"} if arg.t == 1.0 else {"kind": "focal", "focal_t": arg.t}
     config = common.focal_pretraining(arg.size, {**attn, "impl": arg.impl}, steps=5000, lr=5e-5)
     config.init_from = arg.init_from

@@ -46,8 +46,8 @@ run's tokenizer. Only the constant variant was taken to long context (Table 1). 
 FlashAttention-style kernel: `impl` defaults to 'cudnn' (GPU); use `impl=pallas` elsewhere. Blocks are
 rematerialised (`model.remat`) to fit the activations.
 
-Arguments: init_from (the 2.7B run to extend; required), variant (baseline | focal: the base run's), data (a glob
-of training files; default the builtin corpus), impl, runlocal.
+Arguments: init_from (the 2.7B run to extend; required), variant (baseline | focal: the base run's, checked),
+data (a glob of training files; default the builtin corpus), impl, runlocal.
 """
 
 from focal_jax.configs import common
@@ -59,6 +59,8 @@ def get_config(arg=None):
         raise ValueError("focal_long_context needs init_from=WORKDIR (the 2.7B run to extend, e.g. "
                          "/runs/focal_tokens/focal)")
     common.check_choice("variant", arg.variant, ("baseline", "focal"))
+    # The base run's own variant: a baseline extended as 'focal' (or the reverse) would change its attention too.
+    common.check_base_kind(arg.init_from, (common.FOCAL_VARIANTS[arg.variant]["kind"],), f"variant={arg.variant}")
     attn = {**common.FOCAL_VARIANTS[arg.variant], "impl": arg.impl}
     config = common.focal_pretraining("2.7B", attn, seq_len=32768, batch_tokens=common.FOCAL_LARGE_BATCH_TOKENS,
                                       steps=2385, lr=2e-5)

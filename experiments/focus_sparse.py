@@ -4,7 +4,8 @@ whose every layer attends to its local window (w = 128) and, at long range, only
 trains with the soft gate; FOCUS_SPEC.md). Reproduces no paper figure: it is the training the kernel makes possible.
 
 The hard top-k has no gradient, so the routing parameters keep their initial values unless the run starts from a
-soft-gate Focus run (`init_from`), whose learned centroids then fix the groups.
+soft-gate Focus run (`init_from`), whose learned centroids then fix the groups; such a run reads its data with the
+tokenizer of the run it starts from (INIT_FROM/tokenizer.model), so that token ids keep their meaning.
 
   python -m focal_jax.train --config experiments/focus_sparse.py --workdir /tmp/focus_sparse
   python -m focal_jax.train --config experiments/focus_sparse.py:size=777M,groups=16 --workdir /tmp/focus_sparse
@@ -24,6 +25,8 @@ def get_config(arg=None):
                     "attn": {"kind": "focus", "impl": "pallas", "focus_groups": arg.groups, "focus_window": 128,
                              "focus_topk": arg.topk, "focus_causal": True}}
     config.init_from = arg.init_from or None
+    if arg.init_from:  # the weights and centroids were trained on that run's token ids
+        config.data.tokenizer = common.run_tokenizer(arg.init_from)
     config.data.update(source="builtin", vocab_size=32000, seq_len=4096)
     config.batch_size = 64
     config.total_steps = 20000

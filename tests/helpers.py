@@ -1,4 +1,7 @@
-"""Shared test helpers: random attention inputs and a max-abs-error comparison."""
+"""Shared test helpers: random attention inputs, a max-abs-error comparison, an experiment file's config."""
+
+import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,3 +38,14 @@ def lowering_target(platform, shape=(1, 1, 1), axes=("data", "fsdp", "tensor")):
     mesh = jax.sharding.AbstractMesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
                                      abstract_device=device)
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_experiment(name: str, arg: str):
+    """`experiments/NAME.py`'s `get_config(arg)` (the experiments are files, not an importable package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)

@@ -5,7 +5,6 @@ The reference is the `tokenizers` library itself (`tokenizers.Tokenizer.from_fil
 byte-level BPE (GPT-2's kind: no bos, eos `<|endoftext|>` as the last id) is trained on a few sentences in memory.
 """
 
-import importlib.util
 import json
 import os
 
@@ -15,8 +14,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from focal_jax.data import DataConfig, build_data, load_tokenizer, tokenizer_file, workdir_tokenizer
+from helpers import load_experiment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS = "<|endoftext|>"
 SENTENCES = [
     "The model attends to its local window and to the distant tokens of its own group.",
@@ -135,13 +134,6 @@ def test_build_data_frames_documents_with_eos_and_copies_the_tokenizer(hf_tokeni
                                                                         None, eos)
     for text in TEXTS + docs:
         assert copy.encode(text) == reference.encode(text, add_special_tokens=False).ids
-
-
-def load_experiment(name: str, arg: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
 
 def test_gpt2_hugging_face_directory_retrofits_through_its_tokenizer_json(hf_tokenizer, tmp_path):

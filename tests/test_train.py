@@ -2,7 +2,6 @@
 
 import ast
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -32,21 +31,20 @@ from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
 from focal_jax.train.sharding import check_batch_layout, make_mesh, partition_spec
 from focal_jax.train.trainer import cast_floats, init_model, load_model, masked_nll
+from helpers import load_experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden_trainable.json")
 
 
-def load_experiment(name: str, arg: str) -> ml_collections.ConfigDict:
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tokenizers"))
+
+
+def dense_model() -> ml_collections.ConfigDict:
+    """The model section of the quickstart's runlocal config with dense attention (a Focal paper baseline)."""
+    return load_experiment("quickstart", "runlocal,attn=baseline").model
 
 
 def tiny(cache_dir, **overrides) -> ml_collections.ConfigDict:
@@ -673,9 +671,10 @@ def _centroids_and_shardings(model):
 def test_golden_trainable_parameters(tmp_path, cache_dir):
     """Which parameters each experiment trains (tests/golden_trainable.json); a change here is deliberate."""
     golden = json.load(open(GOLDEN))
-    base = str(tmp_path / "base")
+    base, dense = str(tmp_path / "base"), str(tmp_path / "dense")
     train(tiny(cache_dir, total_steps=1), base)
-    for name, arg in experiment_args(base).items():
+    train(tiny(cache_dir, total_steps=1, model=dense_model()), dense)
+    for name, arg in experiment_args(base, dense).items():
         config = load_experiment(name, arg)
         config.data.cache_dir = cache_dir
         run = check_config(config)
@@ -740,13 +739,14 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
 EXPERIMENTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 
 
-def experiment_args(base_workdir: str) -> dict:
-    """The runlocal argument of every experiment file (a new experiment must be added here)."""
+def experiment_args(base_workdir: str, dense_workdir: str = "DENSE") -> dict:
+    """The runlocal argument of every experiment file (a new experiment must be added here); focal_adapt starts
+    from a baseline (`dense_workdir`, attention kind 'dense')."""
     return {"quickstart": "runlocal", "focus_retrofit": f"runlocal,init_from={base_workdir}",
             "focus_sparse": "runlocal", "focal_scaling": "runlocal",
             "focal_token_scaling": "runlocal,variant=baseline",
             "focal_temperature_ablation": "runlocal,learned,tau_min=3",
-            "focal_adapt": f"runlocal,init_from={base_workdir}",
+            "focal_adapt": f"runlocal,init_from={dense_workdir}",
             "focal_long_context": f"runlocal,init_from={base_workdir}",
             "focus_finetune": f"runlocal,init_from={base_workdir},attn=dense", "focus_scratch": "runlocal",
             "focus_window_baseline": f"runlocal,init_from={base_workdir}",
@@ -760,7 +760,7 @@ def test_every_experiment_has_a_runlocal_argument():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_experiment_runs_two_steps(name, runs, tmp_path, cache_dir):
     """Two training steps of the experiment's runlocal config; no evaluation (the same code for every model)."""
-    args = experiment_args(runs["base"])[name]
+    args = experiment_args(runs["base"], runs["dense"])[name]
     config = load_experiment(name, args)
     config.data.cache_dir = cache_dir
     config.update(total_steps=2, batch_size=8, eval_batches=0)
@@ -780,19 +780,20 @@ FOCAL_TABLE_4_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
-    """Run directories the launch lines and the experiments' two steps start from: a tiny base run, a Focus phase-1
-    run on it (K = 8, 3 steps, so that its centroids moved), and a stand-in Hugging Face directory (config files
-    only: nothing loads it)."""
+    """Run directories the launch lines and the experiments' two steps start from: a tiny base run (Focal), the same
+    with dense attention (the Focal paper's baselines), a Focus phase-1 run on the first (K = 8, 3 steps, so that
+    its centroids moved), and a stand-in Hugging Face directory (config files only: nothing loads it)."""
     root = tmp_path_factory.mktemp("runs")
     base, phase1, hf = str(root / "base"), str(root / "focus_retrofit"), root / "hf"
     train(tiny(cache_dir, total_steps=1), base)
+    train(tiny(cache_dir, total_steps=1, model=dense_model()), str(root / "dense"))
     config = load_experiment("focus_retrofit", f"runlocal,init_from={base},groups=8")
     config.update(total_steps=3, batch_size=8, eval_batches=0)
     train(config, phase1)
     hf.mkdir()
     for name in ("config.json", "tokenizer.model"):
         (hf / name).write_text("")
-    return {"base": base, "phase1": phase1, "hf": str(hf)}
+    return {"base": base, "dense": str(root / "dense"), "phase1": phase1, "hf": str(hf)}
 
 
 def docstring_blocks(name: str) -> list[str]:
@@ -858,12 +859,14 @@ def parse_train_command(name: str, args: list[str]) -> tuple[str, str, dict]:
 
 def local_arg(arg: str, runs: dict) -> str:
     """`arg` with the run directories of the launch lines replaced by local ones (a focus_retrofit run by the
-    phase-1 run, any other workdir by the base run, a Hugging Face directory by the stand-in)."""
+    phase-1 run, a baseline by the dense base run, any other workdir by the base run, a Hugging Face directory by
+    the stand-in)."""
     items = []
     for item in filter(None, arg.split(",")):
         key, _, value = item.partition("=")
         if key == "init_from":
-            value = runs["phase1"] if "focus_retrofit" in value else runs["base"]
+            value = (runs["phase1"] if "focus_retrofit" in value else runs["dense"] if "baseline" in value
+                     else runs["base"])
         elif key == "hf":
             value = runs["hf"]
         items.append(f"{key}={value}" if _ else key)

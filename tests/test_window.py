@@ -7,8 +7,6 @@ References are independent of the code under test: a naive GPT-2 forward written
 """
 
 import dataclasses
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +18,10 @@ from focal_jax.nn.attention import record_attention
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.retrofit import (REPLACEABLE_FIELDS, FocusConfig, WindowConfig, replace_attention, retrofit)
+from helpers import load_experiment
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, T = 61, 24
 
 
@@ -297,13 +295,6 @@ def test_training_config_retrofit_window():
     config.retrofit.window = -3
     with pytest.raises(ValueError, match=r"retrofit.window: .*window=-3"):
         check_config(config)
-
-
-def load_experiment(name, arg):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "experiments", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
 
 # ------------------------------------------------------------------------------------------------ the experiment

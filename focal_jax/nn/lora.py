@@ -26,6 +26,7 @@ LoRA: merge first).
 """
 
 import dataclasses
+import math
 import numbers
 
 import jax
@@ -66,8 +67,9 @@ class LoRAConfig:
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral) or self.rank < 1:
             raise ValueError(f"LoRAConfig: rank must be an integer >= 1, got rank={self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha > 0:
-            raise ValueError(f"LoRAConfig: alpha must be a number > 0, got alpha={self.alpha!r}")
+        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha > 0
+                or not math.isfinite(self.alpha)):  # inf: the update inf * 0 (lora_b starts at 0) is NaN
+            raise ValueError(f"LoRAConfig: alpha must be a finite number > 0, got alpha={self.alpha!r}")
         targets = self.targets
         if isinstance(targets, str):
             targets = (targets,) if targets in TARGETS.values() else tuple(targets)

@@ -1,0 +1,99 @@
+"""configs/common.py and the experiments' argument strings (`--config FILE:ARG`)."""
+
+import os
+
+import pytest
+
+from focal_jax.configs import common
+from helpers import load_experiment
+
+
+def test_parse_arg_refuses_a_name_given_twice():
+    with pytest.raises(ValueError, match=r"config argument 'attn' is given twice \('attn=focal' and 'attn=baseline'\)"):
+        common.parse_arg("runlocal,attn=focal,attn=baseline", runlocal=False, attn="focal")
+    with pytest.raises(ValueError, match=r"config argument 'runlocal' is given twice"):
+        common.parse_arg("runlocal,runlocal", runlocal=False)
+    with pytest.raises(ValueError, match=r"config argument 'variant' is given twice"):
+        load_experiment("focal_scaling", "variant=focal,size=400M,variant=baseline")
+    assert common.parse_arg("runlocal,attn=baseline", runlocal=False, attn="focal").to_dict() == {
+        "runlocal": True, "attn": "baseline"}
+
+
+@pytest.mark.parametrize("seq_len", ["0", "-1", "-2048"])
+def test_a_sequence_length_below_one_is_named(seq_len):
+    with pytest.raises(ValueError, match=rf"config argument seq_len={seq_len} must be an integer >= 1"):
+        load_experiment("focal_scaling", f"seq_len={seq_len}")
+    with pytest.raises(ValueError, match=r"seq_len=0 must be an integer >= 1"):
+        common.batch_size(2**18, 0)
+
+
+@pytest.mark.parametrize("local", ["", "runlocal,"])
+def test_focus_sparse_from_a_run_reads_with_that_runs_tokenizer(tmp_path, local):
+    """A run that starts from another one's weights must tokenize as that run did (its workdir copy), as every
+    other experiment with init_from does; a trained tokenizer of its own gives the token ids another meaning."""
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    config = load_experiment("focus_sparse", f"{local}init_from={tmp_path}")
+    assert config.init_from == str(tmp_path)
+    assert config.data.tokenizer == str(tmp_path / "tokenizer.model")
+    assert load_experiment("focus_sparse", local.rstrip(",")).data.tokenizer is None
+    with pytest.raises(ValueError, match="is not a focal_jax run directory with its tokenizer"):
+        load_experiment("focus_sparse", f"{local}init_from={tmp_path / 'missing'}")
+
+
+def test_focal_runs_from_a_base_check_its_variant(tmp_path, monkeypatch):
+    """focal_long_context's variant is the base run's and focal_adapt starts from a baseline: a base run of another
+    attention kind is refused by name (before, a baseline extended with the default variant=focal trained t = 0.4)."""
+    kinds = {"baseline": "dense", "focal": "focal"}
+    base = {name: str(tmp_path / name) for name in kinds}
+    for name in kinds:
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(common, "base_run", lambda workdir: {"model": {
+        "family": "llama", "size": "2.7B", "attn": {"kind": kinds[os.path.basename(workdir)]}}})
+    monkeypatch.setattr(common, "run_tokenizer", lambda workdir: os.path.join(workdir, "tokenizer.model"))
+    for variant in kinds:
+        config = load_experiment("focal_long_context", f"init_from={base[variant]},variant={variant}")
+        assert config.model.attn.kind == kinds[variant]
+    with pytest.raises(ValueError, match=r"kind='dense', but variant=focal starts from a LLaMA run with kind in "
+                                         r"\('focal',\)"):
+        load_experiment("focal_long_context", f"init_from={base['baseline']}")  # the default variant is focal
+    with pytest.raises(ValueError, match=r"kind='focal', but variant=baseline"):
+        load_experiment("focal_long_context", f"init_from={base['focal']},variant=baseline")
+    for t in ("0.4", "1.0"):
+        assert load_experiment("focal_adapt", f"init_from={base['baseline']},t={t}").init_from == base["baseline"]
+    with pytest.raises(ValueError, match=r"kind='focal', but focal_adapt \(a baseline"):
+        load_experiment("focal_adapt", f"init_from={base['focal']},t=0.4")
+
+
+@pytest.mark.parametrize("name, extra", [("focus_retrofit", ""), ("focus_finetune", ",attn=dense"),
+                                         ("focus_window_baseline", "")])
+def test_data_of_a_run_from_a_base_holds_out_its_own_documents(tmp_path, monkeypatch, name, extra):
+    """`data=GLOB` on a run that starts from a base run: the base's held-out files (and jsonl field) belong to the
+    base's corpus; kept, they were read as the new source type (a .txt eval file parsed as jsonl: 'not valid
+    JSON'), or evaluated the new run on the old domain."""
+    (tmp_path / "base").mkdir()
+    base = {"model": {"family": "llama", "size": "tiny", "attn": {"kind": "dense"}}, "retrofit": {},
+            "data": {"source": "jsonl", "paths": ["/old/*.jsonl"], "eval_paths": ["/old_val/*.jsonl"],
+                     "field": "content", "streaming": True}}
+    monkeypatch.setattr(common, "base_run", lambda workdir: base)
+    monkeypatch.setattr(common, "run_tokenizer", lambda workdir: os.path.join(workdir, "tokenizer.model"))
+    config = load_experiment(name, f"init_from={tmp_path / 'base'},data=/new/*.txt{extra}")
+    assert (config.data.source, tuple(config.data.paths)) == ("text", ("/new/*.txt",))
+    assert (tuple(config.data.eval_paths), config.data.field) == ((), "text")
+    kept = load_experiment(name, f"init_from={tmp_path / 'base'}{extra}")  # no data=: the base run's data, whole
+    assert (tuple(kept.data.eval_paths), kept.data.field) == (("/old_val/*.jsonl",), "content")
+
+
+@pytest.mark.parametrize("alpha", ["inf"])
+def test_lora_baseline_refuses_an_infinite_alpha(tmp_path, alpha):
+    """`lora_baseline.py:...,alpha=inf` trained NaN from step 1 (the update inf * 0 at lora_b's zero init)."""
+    from focal_jax.nn.lora import LoRAConfig
+    from focal_jax.train.config import check_config
+
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    (tmp_path / "config.json").write_text("{}")
+    config = load_experiment("lora_baseline", f"hf={tmp_path},alpha={alpha}")
+    with pytest.raises(ValueError, match=rf"LoRAConfig: alpha must be a finite number > 0, got alpha={alpha}"):
+        check_config(config)
+    with pytest.raises(ValueError, match="alpha=inf"):
+        LoRAConfig(rank=4, alpha=float("inf"))
+    assert check_config(load_experiment("lora_baseline", f"hf={tmp_path},alpha=8")).retrofit[0].alpha == 8.0
