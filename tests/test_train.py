@@ -603,9 +603,10 @@ def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     hf_dir = str(tmp_path / "hf")
     transformers.LlamaForCausalLM(hf_config).save_pretrained(hf_dir, safe_serialization=True)
     config = tiny(cache_dir, init_from=hf_dir, total_steps=2)
-    config.model = {"family": "hf"}
+    config.model = {"family": "hf", "remat": True}  # (was refused: a loaded model's blocks could not be remat'd)
     config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
     config.optim.trainable = "centroids"
+    assert init_model(check_config(config)).config.remat
     workdir = str(tmp_path / "run")
     train(config, workdir)
     assert sorted(checkpoint.saved_param_paths(workdir, 2)) == [
@@ -614,6 +615,9 @@ def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     model = load_model(workdir)  # the Hugging Face base plus the trained centroids
     saved = checkpoint.load_params(workdir, 2, *_centroids_and_shardings(model))
     np.testing.assert_array_equal(model.layers[1].self_attn.w_g[...], saved["layers"][1]["self_attn"]["w_g"])
+    config.model = {"family": "hf", "remat": "yes"}
+    with pytest.raises(ValueError, match="model.remat must be True or False, got 'yes'"):
+        check_config(config)
 
 
 def test_phase2_after_a_phase1_on_a_hugging_face_directory(tmp_path, cache_dir):

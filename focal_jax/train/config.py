@@ -123,17 +123,21 @@ class RunConfig:
     data: DataConfig
     optim: OptimConfig
     raw: ml_collections.ConfigDict  # the config as given, stored in checkpoints
+    hf_remat: bool = False  # family 'hf': rematerialise the loaded model's blocks (`model.remat`)
 
 
 def model_config(section: dict) -> tuple[str, LlamaConfig | GPT2Config | None]:
     """`(family, model config)` from the `model` section: `family` 'llama' (with an optional Focal paper `size`,
-    then any LlamaConfig field), 'gpt2' (GPT2Config fields) or 'hf' (nothing else: built from `init_from`)."""
+    then any LlamaConfig field), 'gpt2' (GPT2Config fields) or 'hf' (built from `init_from`; only `remat`, which
+    `RunConfig.hf_remat` holds)."""
     section = dict(section)
     family = section.pop("family", "llama")
     if family not in FAMILIES:
         raise ValueError(f"model.family={family!r} is not one of {FAMILIES}")
     if family == "hf":
-        _check_keys("model.", section, [])
+        _check_keys("model.", section, ["remat"])
+        if not isinstance(section.get("remat", False), bool):
+            raise ValueError(f"model.remat must be True or False, got {section['remat']!r}")
         return family, None
     if family == "gpt2":
         return family, _dataclass(GPT2Config, "model.", section)
@@ -210,7 +214,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         init_from=os.path.expanduser(init_from) if init_from else None, balance_weight=float(weight), family=family,
         model=model,
         retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
-        optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config)
+        optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config,
+        hf_remat=family == "hf" and _as_dict(merged["model"]).get("remat", False))
 
 
 # Keys (dotted) that may change when a run resumes from its own workdir (everything else must match the stored

@@ -45,12 +45,17 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None):
     """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
     holds: a Hugging Face directory, or a focal_jax run directory (the whole model of that run at its checkpoint
     `base_step`, default the latest, rebuilt from its own base with its retrofits and trained parameters: e.g. phase
-    2 of a retrofit whose phase 1 started from a Hugging Face directory)."""
+    2 of a retrofit whose phase 1 started from a Hugging Face directory), its blocks rematerialised if
+    `model.remat`."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
-            return from_hf(run.init_from)
-        log(f"model: the model of the run {run.init_from}")
-        return load_model(run.init_from, step=base_step)
+            model = from_hf(run.init_from)
+        else:
+            log(f"model: the model of the run {run.init_from}")
+            model = load_model(run.init_from, step=base_step)
+        if run.hf_remat:
+            model.config = dataclasses.replace(model.config, remat=True)
+        return model
     cls = GPT2 if run.family == "gpt2" else Llama
     return cls(run.model, rngs=nnx.Rngs(seed))
 
