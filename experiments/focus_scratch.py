@@ -38,14 +38,18 @@ from focal_jax.nn.retrofit import FocusConfig
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, runlocal=False, size="mistral-7b", attn="focus", groups=4, data="",
-                           **common.FOCUS_ROUTING)
+    routing_defaults = {"groups": 4, **common.FOCUS_ROUTING}
+    arg = common.parse_arg(arg, runlocal=False, size="mistral-7b", attn="focus", data="", **routing_defaults)
     common.check_choice("size", arg.size, ("mistral-7b", *common.FOCAL_LR))
     common.check_choice("attn", arg.attn, ("focus", "dense"))
     if arg.attn == "focus":
         routing = FocusConfig(groups=arg.groups, **{k: arg[k] for k in common.FOCUS_ROUTING})
         attn = {"kind": "focus", **{k: v for k, v in routing.attention_fields().items() if v is not None}}
     else:
+        ignored = {k: arg[k] for k, default in routing_defaults.items() if arg[k] != default}
+        if ignored:
+            raise ValueError(f"config arguments {ignored} set the Focus routing, which attn=dense does not have: "
+                             f"drop them or drop attn=dense")
         attn = {"kind": "dense"}
     config = common.base_config()
     if arg.size == "mistral-7b":

@@ -97,3 +97,11 @@ def test_lora_baseline_refuses_an_infinite_alpha(tmp_path, alpha):
     with pytest.raises(ValueError, match="alpha=inf"):
         LoRAConfig(rank=4, alpha=float("inf"))
     assert check_config(load_experiment("lora_baseline", f"hf={tmp_path},alpha=8")).retrofit[0].alpha == 8.0
+
+
+def test_focus_scratch_dense_refuses_routing_arguments():
+    """`attn=dense,groups=8` trained the dense control, silently ignoring the routing it was given."""
+    with pytest.raises(ValueError, match=r"\{'groups': 8\} set the Focus routing, which attn=dense does not have"):
+        load_experiment("focus_scratch", "runlocal,attn=dense,groups=8")
+    assert load_experiment("focus_scratch", "runlocal,attn=dense").model.attn.kind == "dense"
+    assert load_experiment("focus_scratch", "runlocal,groups=8").model.attn.focus_groups == 8
