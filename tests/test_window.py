@@ -375,3 +375,5 @@ def test_positions_and_segment_ids_as_lists_or_floats(family):
     np.testing.assert_array_equal(model(tokens, positions=[[0, 1, 0, 1]], segment_ids=[[1, 1, 2, 2]]), want)
     with pytest.raises(ValueError, match="positions must .*integers.*float32"):
         model(tokens, positions=jnp.asarray([[0.0, 0.5, 1.0, 1.5]]))
+    with pytest.raises(ValueError, match=r"tokens must .*\(both >= 1\), got shape \(1, 0\)"):
+        model(jnp.zeros((1, 0), jnp.int32))  # (an empty sequence: jnp's "zero-size array to reduction" before)

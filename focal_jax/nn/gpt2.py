@@ -181,8 +181,8 @@ class GPT2(nnx.Module):
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
         `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, V]`."""
         tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be integers of shape [batch, seq], got shape {tokens.shape} "
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or 0 in tokens.shape:
+            raise ValueError(f"tokens must be integers of shape [batch, seq] (both >= 1), got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
         b, t = tokens.shape
         if cache is not None:

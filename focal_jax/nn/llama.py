@@ -140,8 +140,8 @@ class Llama(nnx.Module):
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
         `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, vocab]`."""
         tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [batch, seq], got shape {tokens.shape} "
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or 0 in tokens.shape:
+            raise ValueError(f"tokens must be an integer array [batch, seq] (both >= 1), got shape {tokens.shape} "
                              f"dtype {tokens.dtype}")
         if positions is not None:
             positions = jnp.asarray(positions)
