@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
+from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
 from focal_jax.kernels.partition import per_shard
 
@@ -1160,12 +1161,22 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
         raise ValueError(f"num_stages must be an integer >= 1, got num_stages={num_stages!r}")
+    for name, size in (("block_size", block_size), ("band_block_size", band_block_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
+            raise ValueError(f"{name} must be None or an integer >= 1, got {name}={size!r}")
     block_size, band_block_size = block_sizes(backend, block_size, band_block_size)
     if backend == "mosaic" and (block_size % 128 or band_block_size % 128):
         raise ValueError(f"backend='mosaic' (TPU) needs block sizes that are multiples of 128, got "
                          f"block_size={block_size}, band_block_size={band_block_size}")
     b, t = q.shape[:2]
     h = q.shape[2]
+    if backend == "triton":  # Pallas's Triton lowering takes power-of-two array shapes only
+        for name, size in (("head_dim", q.shape[-1]), ("v head_dim", v.shape[-1]), ("block_size", block_size),
+                           ("band_block_size", band_block_size)):
+            if size & (size - 1):
+                raise ValueError(f"backend='triton' (GPU) needs a power-of-two {name}, got {name}={size} (Pallas's "
+                                 f"Triton lowering takes power-of-two block shapes only); use impl='decomposed' or "
+                                 f"pad the heads")
     if isinstance(multiplier, (int, float, np.floating, np.integer)):
         scale, per_query = float(multiplier), ()
     else:  # an array, which may be traced (a learned temperature): per query and head, an operand of the kernels
@@ -1197,7 +1208,12 @@ def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, so
     """Causal dense or focal attention (no groups) through the same kernels: `window=None` puts every token in one
     group (set A only: every causal pair, full blocks without the element mask); a `window` w puts no token in any
     group (set B only: the local band `0 <= i - j <= w`). Shapes and arguments as `focus_sparse_pallas`."""
-    b, t = q.shape[:2]
+    b, t, _, _ = _validate.check_qkv(q, k, v)
+    _validate.check_self_attention(q, k)
+    _validate.check_window(window)
+    _validate.check_segment_ids(segment_ids, b, t)
+    _validate.check_softcap(softcap)
+    _validate.check_finite("multiplier", multiplier)
     membership = jnp.full((b, t, 1), window is None)
     return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=0 if window is None else window,
                                segment_ids=segment_ids, softcap=softcap, block_size=block_size,

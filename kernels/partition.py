@@ -95,8 +95,11 @@ def per_shard(kernel, q, k, v, token_arrays, *, head_arrays=(), mesh=None, batch
     mesh = context_mesh() if context else mesh
     b, h, hk = q.shape[0], q.shape[2], k.shape[2]
     split = layout(mesh, b, h, hk, batch_axes=batch_axes, head_axes=head_axes)
-    if not (split.batch or split.heads):
+    explicit = bool(getattr(mesh, "explicit_axes", ()))
+    if not (split.batch or split.heads or explicit):
         return kernel(q, k, v, *head_arrays, *token_arrays)
+    # (Explicit axes with nothing to split: still through shard_map, every operand replicated, so that the kernel
+    # sees manual axes; called directly under the mesh it met operands typed as sharded and failed.)
     if split.kv_repeat > 1:
         k, v = (x.repeat(split.kv_repeat, axis=2) for x in (k, v))
     heads = P(split.batch, None, split.heads, None)

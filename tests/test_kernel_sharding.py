@@ -187,3 +187,20 @@ def test_lowering_on_a_mesh_sees_per_shard_shapes(platform, backend):
     shapes = [[tuple(int(n) for n in dims.rstrip("x").split("x")) for dims in re.findall(r"tensor<((?:\d+x)+)\w+>", x)]
               for x in operands]
     assert_per_shard(shapes, 2, 2, head_axis=2 if backend == "triton" else 1)  # 2 of 4 rows, 2 of 4 query heads
+
+
+def test_explicit_mesh_that_splits_nothing_runs_the_kernels():
+    """Under `jax.set_mesh` of a mesh with Explicit axes (sharding in types), a call that no axis can split (one
+    batch row on 'data' = 2) still runs through `shard_map`: called directly, the kernels failed with a
+    ShardingTypeError."""
+    q, k, v = rand_qkv(7, 1, 9, 2, 2, 8)
+    membership = topk_membership(jax.random.normal(jax.random.key(8), (1, 9, 3)), 1)
+    mesh = jax.make_mesh((2, 1, 1), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:2])
+    attend = lambda q, k, v: focus_sparse_attention(q, k, v, membership, window=2, impl="pallas", block_size=8)
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), argnums=(0, 1, 2)))(q, k, v)
+    expected, expected_grads = jax.value_and_grad(
+        lambda *a: jnp.sum(jnp.sin(reference.focus_hard_attention(*a, membership, window=2))), argnums=(0, 1, 2))(q, k, v)
+    assert_close(got, expected, atol=1e-4, what="loss")
+    for name, g, e in zip("qkv", grads, expected_grads):
+        assert_close(g, e, atol=1e-5, what=f"d{name}")

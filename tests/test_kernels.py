@@ -542,3 +542,41 @@ def test_plan_cost_is_near_the_pair_count_for_balanced_groups(block):
     visited = a_blocks * block * block + b_blocks * band_block * band_block
     assert visited >= same_group + cross_local
     assert visited / (same_group + cross_local) < 1.10
+
+
+def test_dot_product_pallas_refuses_bad_inputs_by_name():
+    """`dot_product_pallas` is public (README): shapes and settings it cannot run are errors naming the value, not a
+    silent run (k shorter than q read past its end; a NaN multiplier or window=-1 gave zeros)."""
+    q, k, v = rand_qkv(0, 1, 9, 2, 2, 8)
+    attend = lambda q=q, k=k, v=v, **kw: ks.dot_product_pallas(q, k, v, **{"multiplier": 0.3, **kw})
+    with pytest.raises(ValueError, match="q seq=9 and k seq=5"):
+        attend(k=k[:, :5], v=v[:, :5])
+    with pytest.raises(ValueError, match="got q heads=2 and k heads=3"):
+        attend(k=jnp.ones((1, 9, 3, 8)), v=jnp.ones((1, 9, 3, 8)))
+    with pytest.raises(ValueError, match="window=-1"):
+        attend(window=-1)
+    with pytest.raises(ValueError, match="segment_ids must be an integer array, got dtype float32"):
+        attend(segment_ids=jnp.zeros((1, 9)))
+    with pytest.raises(ValueError, match="softcap=0.0"):
+        attend(softcap=0.0)
+    with pytest.raises(ValueError, match="multiplier=nan"):
+        attend(multiplier=float("nan"))
+    with pytest.raises(ValueError, match="block_size must be None or an integer >= 1, got block_size=0"):
+        attend(block_size=0)
+    with pytest.raises(ValueError, match="band_block_size must be None or an integer >= 1, got band_block_size=8.0"):
+        attend(window=2, band_block_size=8.0)
+
+
+@pytest.mark.parametrize("head_dim,dv,block", [(24, 24, 64), (16, 80, 64), (16, 16, 48)])
+def test_triton_refuses_shapes_its_lowering_cannot_take_by_name(head_dim, dv, block):
+    """Pallas's Triton lowering takes power-of-two block shapes only: a head dim of 24 or 80 (or a block of 48)
+    failed deep in the lowering ("all operations have array arguments ... power of 2", an array (64, 24)), naming
+    neither the head dim nor the block."""
+    q, k, v = rand_qkv(0, 1, 64, 2, 2, head_dim, dv)
+    membership = random_membership(1, 1, 64, 4, 1)
+    fn = lambda q, k, v: jnp.sum(ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.3, window=4,
+                                                        block_size=block, backend="triton"))
+    bad = {24: "head_dim=24", 80: "v head_dim=80", 48: "block_size=48"}
+    with pytest.raises(ValueError, match=bad[head_dim if head_dim == 24 else dv if dv == 80 else block]):
+        with lowering_target("cuda"):
+            jax.jit(jax.grad(fn)).trace(q, k, v).lower(lowering_platforms=("cuda",))
