@@ -426,19 +426,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_agree_with_one(tmp_path, cache_dir):
-    one = str(tmp_path / "one")
-    train(tiny(cache_dir, total_steps=2), one)  # 8 devices in this process
-    two = str(tmp_path / "two")
-    port = free_port()
-    procs = []
+def two_processes(workdir: str, cache_dir: str, *flags: str) -> list:
+    """The quickstart's runlocal config started in 2 local processes of 4 CPU devices each (no evaluation)."""
+    port, procs = free_port(), []
     for rank in range(2):
         env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
                    JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                    XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", two,
+        procs.append(run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
                               f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
-                              "--config.total_steps=2", "--config.eval_batches=0"], env=env))
+                              "--config.eval_batches=0", *flags], env=env))
+    return procs
+
+
+def test_two_processes_agree_with_one(tmp_path, cache_dir):
+    one = str(tmp_path / "one")
+    train(tiny(cache_dir, total_steps=2), one)  # 8 devices in this process
+    two = str(tmp_path / "two")
+    procs = two_processes(two, cache_dir, "--config.total_steps=2")
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "in 2 process(es)" in outputs[0] and "devices: 8" in outputs[0]
@@ -451,16 +456,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, cache_
     noted its own SIGTERM at its own step: the signalled one saved and left while the other waited in the next
     train step, and both hung."""
     workdir = str(tmp_path / "run")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
-                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
-                              f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
-                              "--config.total_steps=100000", "--config.eval_batches=0",
-                              "--config.ckpt_every=100000"], env=env))
+    procs = two_processes(workdir, cache_dir, "--config.total_steps=100000", "--config.ckpt_every=100000")
     metrics = os.path.join(workdir, "metrics.jsonl")
     deadline = time.time() + 240
     while time.time() < deadline and all(p.poll() is None for p in procs):
