@@ -222,9 +222,6 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 # config).
 RESUMABLE_CHANGES = ("total_steps", "optim.decay_steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
                      "keep_checkpoints", "mesh", "data.prefetch")
-# Keys (dotted) added after runs were stored: a stored config without one equals the key at this default.
-ADDED_KEYS = {"balance_weight": 0.0, "data.eval_paths": [], "data.streaming": False, "data.shard_by": "file",
-              "data.shuffle_window": 0, "data.interleave": 1, "data.prefetch": 2}
 
 
 def task_kwargs_dict(value) -> dict:
@@ -245,24 +242,26 @@ def with_defaults(config: dict) -> dict:
     return complete
 
 
-def config_differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES` and keys of
-    `ADDED_KEYS` that one side lacks and the other holds at their default."""
+def config_differences(stored: dict, current: dict) -> list[str]:
+    """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES`; a key
+    either side leaves out is read at its default (`with_defaults`), so a run stored before a key was added resumes
+    when the key holds its default now."""
+    return _differences(with_defaults(stored), with_defaults(current), "")
+
+
+def _differences(stored: dict, current: dict, prefix: str) -> list[str]:
     diffs = []
     for key in sorted(set(stored) | set(current)):
         full = prefix + key
         if full in RESUMABLE_CHANGES:
             continue
         a, b = stored.get(key), current.get(key)
-        if full in ADDED_KEYS:
-            a = ADDED_KEYS[full] if key not in stored else a
-            b = ADDED_KEYS[full] if key not in current else b
         if full == "data.task_kwargs":
             a, b = task_kwargs_dict(a), task_kwargs_dict(b)
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             a, b = list(a), list(b)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += config_differences(a, b, f"{prefix}{key}.")
+            diffs += _differences(a, b, f"{prefix}{key}.")
         elif a != b:
             diffs.append(f"{prefix}{key}: {a!r} (stored) vs {b!r} (now)")
     return diffs

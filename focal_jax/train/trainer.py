@@ -382,7 +382,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
         _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(with_defaults(stored["config"]), with_defaults(checkpoint.config_json(config)))
+        diffs = config_differences(stored["config"], checkpoint.config_json(config))
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
