@@ -366,3 +366,63 @@ def test_smooth_clip_stays_in_range_and_is_monotone():
     vals = np.array([float(learned_temperature(x1, jnp.zeros(4), tau_min=5.0, tau_max=10.0, clip="smooth",
                                                bias=bias)[0, 0]) for bias in biases])
     assert np.all(np.diff(vals) >= 0) and vals[0] < 5.5 and vals[-1] > 9.5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Non-causal masks, the smooth clip's formula, the learned temperature's defaults.
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_non_causal_window_is_symmetric_and_equals_jax(window):
+    """causal=False with a window: key j visible iff |i - j| <= window (jax.nn's local_window_size=(w, w))."""
+    q, k, v = rand_qkv(30, t=24)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=False, local_window_size=(window, window))
+    assert_close(focal_attention(q, k, v, causal=False, window=window), want)
+    assert_close(reference.attention(q, k, v, causal=False, window=window), want)
+    # the window acts (so this test can fail)
+    assert float(jnp.max(jnp.abs(want - jax.nn.dot_product_attention(q, k, v, is_causal=False)))) > 1e-2
+
+
+def test_non_causal_segments_equal_jax_masked():
+    """causal=False with segment ids (packed bidirectional documents): no attention across documents."""
+    q, k, v = rand_qkv(31)
+    seg = jnp.asarray(SEGMENTS)
+    want = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg), is_causal=False,
+                                        scale=1.0 / (0.5 * np.sqrt(q.shape[-1])))
+    assert_close(focal_attention(q, k, v, temperature=0.5, causal=False, segment_ids=seg), want)
+    assert_close(reference.attention(q, k, v, temperature=0.5, causal=False, segment_ids=seg), want)
+    assert float(jnp.max(jnp.abs(want - focal_attention(q, k, v, temperature=0.5, causal=False)))) > 1e-2
+
+
+@pytest.mark.parametrize("mode", ["prefix", "sequence"])
+def test_smooth_clip_equals_its_formula(mode):
+    """clip='smooth' is `tau_min + width * sigmoid(4 (z - mid) / width)` of the reference mean (numpy float64),
+    and its slope at the midpoint is 1."""
+    x, w = rand_x(32, w_scale=1.5)
+    seg = jnp.asarray(SEGMENTS)
+    tau_min, tau_max, bias = 5.0, 10.0, 7.5
+    got = learned_temperature(x, w, tau_min=tau_min, tau_max=tau_max, mode=mode, clip="smooth", bias=bias,
+                              segment_ids=seg)
+    z = reference.learned_temperature(x, w, tau_min=-1e9, tau_max=1e9, mode=mode, bias=bias,
+                                      segment_ids=seg).astype(np.float64)  # the unclipped mean + bias
+    width, mid = tau_max - tau_min, (tau_min + tau_max) / 2
+    want = tau_min + width / (1.0 + np.exp(-4.0 * (z - mid) / width))
+    assert_close(got, want, atol=1e-4)
+    assert np.any((z < tau_min) | (z > tau_max)) and np.any((z > tau_min) & (z < tau_max))  # tails and middle
+    slope = jax.grad(lambda b: learned_temperature(jnp.ones((1, 2, 4)), jnp.zeros(4), tau_min=tau_min,
+                                                   tau_max=tau_max, clip="smooth", bias=b)[0, 0])(mid)
+    assert abs(float(slope) - 1.0) < 1e-5
+
+
+def test_learned_temperature_defaults_are_prefix_mode_and_hard_clip():
+    """DESIGN.md: the causal form (mode='prefix') is the default, and the default clip is the paper's hard clip."""
+    x, w = rand_x(33, w_scale=1.5)
+    got = learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=7.5)
+    assert_close(got, reference.learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode="prefix", bias=7.5))
+    # hard clip: no gradient reaches a tau clipped at either bound, full gradient inside
+    tau = np.asarray(got)
+    grad = np.asarray(jax.jacrev(lambda bias: learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=bias))(7.5))
+    clipped = (tau == 5.0) | (tau == 10.0)
+    assert clipped.any() and (~clipped).any()
+    np.testing.assert_array_equal(grad[clipped], 0.0)
+    assert_close(grad[~clipped], np.ones(int((~clipped).sum())))

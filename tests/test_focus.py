@@ -54,6 +54,20 @@ def test_soft_equals_reference(gate, case):
     assert float(jnp.max(jnp.abs(want - dense))) > 1e-2
 
 
+def test_defaults_are_the_papers_gate_and_lambda():
+    """DESIGN.md: the default gate is the paper's Eq. 2 with lam = 10 (and window 128)."""
+    q, k, v = rand_qkv(4, t=40)
+    g = rand_g(5)
+    want = reference.focus_soft_attention(q, k, v, g, window=128, gate="paper", lam=10.0)
+    assert_close(focus_attention(q, k, v, g, window=128), want)
+    short = dict(window=5)
+    want = reference.focus_soft_attention(q, k, v, g, gate="paper", lam=10.0, **short)
+    assert_close(focus_attention(q, k, v, g, **short), want)
+    # lam matters here (so this test can fail)
+    other = reference.focus_soft_attention(q, k, v, g, gate="paper", lam=1.0, **short)
+    assert float(jnp.max(jnp.abs(want - other))) > 1e-2
+
+
 @pytest.mark.parametrize("gate", ["paper", "log"])
 def test_window_covering_sequence_is_dense_causal(gate):
     """All pairs local: nothing is gated, whatever g, so the result is dense causal attention."""

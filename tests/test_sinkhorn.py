@@ -209,3 +209,40 @@ def test_jit_matches_reference():
     got = jitted(scores, segment_ids=seg, valid=valid, causal=True)
     want = reference.sinkhorn(scores, segment_ids=seg, valid=valid, causal=True)
     assert_close(np.asarray(got)[VALID], want[VALID])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Left padding and padding-only segments.
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_left_padding_rows_stay_finite_and_normalised(causal):
+    """Padding before every valid token (left-padded batches): with causal=True no valid token precedes it, so its
+    column sums are empty. Its own row is still normalised (finite, summing to 1), no gradient is NaN, and the
+    valid tokens are assigned as if the padding did not exist (the numpy reference on the valid suffix)."""
+    scores = rand_scores(20, b=1, t=16, k=4)
+    valid = jnp.asarray([[False] * 4 + [True] * 12])
+    g = sinkhorn(scores, valid=valid, causal=causal)
+    assert bool(jnp.all(jnp.isfinite(g)))
+    assert float(jnp.max(jnp.abs(jnp.sum(g, -1) - 1.0))) < 1e-5
+    assert_close(g[:, 4:], reference.sinkhorn(scores[:, 4:], causal=causal))
+    grad = jax.grad(lambda s: jnp.sum(sinkhorn(s, valid=valid, causal=causal) * jnp.arange(1.0, 5.0)))(scores)
+    assert bool(jnp.all(jnp.isfinite(grad)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padding_in_a_segment_of_its_own(causal):
+    """Packed rows often give the padding a segment id of its own (e.g. 0): that segment has no valid token, so
+    every one of its column sums is empty. The valid tokens match the reference, and values and gradients are
+    finite."""
+    scores = rand_scores(21, b=1, t=20, k=4)
+    seg = jnp.asarray([[1] * 8 + [2] * 7 + [0] * 5], jnp.int32)
+    valid = jnp.asarray([[True] * 15 + [False] * 5])
+    loss = lambda s: jnp.sum(sinkhorn(s, segment_ids=seg, valid=valid, causal=causal) * jnp.arange(1.0, 5.0))
+    g = sinkhorn(scores, segment_ids=seg, valid=valid, causal=causal)
+    assert bool(jnp.all(jnp.isfinite(g)))
+    assert_close(np.asarray(g)[:, :15], reference.sinkhorn(scores, segment_ids=seg, valid=valid,
+                                                            causal=causal)[:, :15])
+    grad = jax.grad(loss)(scores)
+    assert bool(jnp.all(jnp.isfinite(grad)))
+    assert float(jnp.max(jnp.abs(grad[:, :15]))) > 1e-3
