@@ -109,6 +109,19 @@ def test_arbitrary_membership_and_empty_groups():
     assert_matches(expected, kernel, (q, k, v), 1e-5, "arbitrary membership")
 
 
+def test_full_blocks_of_tokens_in_two_groups():
+    """A group that fills whole key blocks with tokens that also belong to a lower group: those blocks are one
+    group and one segment but not full, since a pair that shares the lower group is counted there (top-2)."""
+    t = 64
+    q, k, v = rand_qkv(30, 1, t, 2, 2, 8)
+    in_group_0 = jax.random.bernoulli(jax.random.key(31), 0.5, (1, t))
+    membership = jnp.stack([in_group_0, jnp.ones((1, t), bool), ~in_group_0], axis=-1)  # everyone in group 1
+    expected = lambda q, k, v: reference.focus_hard_attention(q, k, v, membership, window=2)
+    kernel = lambda q, k, v: ks.focus_sparse_pallas(q, k, v, membership, multiplier=8 ** -0.5, window=2,
+                                                    block_size=16, band_block_size=16, max_groups=2)
+    assert_matches(expected, kernel, (q, k, v), 1e-5, "full blocks of two-group tokens")
+
+
 @pytest.mark.parametrize("backend", [GPU_FORM, "mosaic_interpret"])
 def test_top1_with_tokens_in_no_group(backend):
     """One entry slot per token (`max_groups=1`), where the GPU form's set-B forward kernel merges set A's results
@@ -461,6 +474,9 @@ def test_bad_backend_tpu_block_sizes_triton_launch_and_multiplier_name_the_value
         ks.dot_product_pallas(q, k, v, multiplier=0.3, num_stages=0)
     with pytest.raises(ValueError, match=r"broadcastable to \[batch, seq, heads\] = \(1, 16, 2\), got shape \(16, 3\)"):
         ks.dot_product_pallas(q, k, v, multiplier=jnp.ones((16, 3)))
+    q, k, v = rand_qkv(13, 1, 4, 4, 4, 8)  # seq == heads: a [batch, seq] multiplier would broadcast as [seq, heads]
+    with pytest.raises(ValueError, match=r"= \(1, 4, 4\), got shape \(1, 4\)"):
+        ks.dot_product_pallas(q, k, v, multiplier=jnp.ones((1, 4)))
 
 
 # ------------------------------------------------------------------------------------------------ the block plan
