@@ -204,3 +204,24 @@ def test_explicit_mesh_that_splits_nothing_runs_the_kernels():
     assert_close(got, expected, atol=1e-4, what="loss")
     for name, g, e in zip("qkv", grads, expected_grads):
         assert_close(g, e, atol=1e-5, what=f"d{name}")
+
+
+def test_a_mesh_argument_and_an_outer_shard_map():
+    """`mesh=` outside any `jax.set_mesh` context splits the call as that context would; inside an outer
+    `shard_map` (every axis manual) the kernels run on the shard they are given and split nothing again."""
+    mesh, t = make_mesh((2, 1, 2)), 24
+    q, k, v = rand_qkv(9, 2, t, 4, 2, 8)
+    membership = topk_membership(jax.random.normal(jax.random.key(10), (2, t, 3)), 1)
+    expected = reference.focus_hard_attention(q, k, v, membership, window=3)
+
+    def attend(q, k, v, membership, mesh=None):
+        return ks.focus_sparse_pallas(q, k, v, membership, multiplier=8 ** -0.5, window=3, block_size=8,
+                                      band_block_size=8, max_groups=1, mesh=mesh)
+
+    given = lambda *a: attend(*a, mesh=mesh)
+    assert_close(jax.jit(given)(q, k, v, membership), expected, atol=1e-5, what="mesh= argument")
+    assert_per_shard(pallas_operand_shapes(given, q, k, v, membership), 1, 2)
+
+    outer = jax.shard_map(attend, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    assert_close(jax.jit(outer)(q, k, v, membership), expected, atol=1e-5, what="inside shard_map")
+    assert_per_shard(pallas_operand_shapes(outer, q, k, v, membership), 1, 4)
