@@ -1,7 +1,8 @@
 """KV-cache decoding and generation (focal_jax.nn.generate) on tiny random models built in-process (no download):
 decoding with the cache equals the full-sequence forward at every position (dense, focal, focal_learned, hard causal
-Focus on LLaMA GQA; dense GPT-2); greedy `generate` equals repeated argmax of the full forward; nucleus sampling is
-reproducible and stays in the nucleus; bad arguments and undecodable attention kinds raise ValueError."""
+Focus, focal+focus and a softcap on LLaMA GQA; dense GPT-2); greedy `generate` equals repeated argmax of the full
+forward; nucleus sampling is reproducible, draws each step afresh and stays in the nucleus; bad arguments and
+undecodable attention kinds raise ValueError."""
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ KINDS = {
     "focal": dict(kind="focal", focal_t=0.4),
     "focal_learned": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0),
     "focus_hard_causal": FOCUS,
+    "focal+focus_hard_causal": dict(FOCUS, kind="focal+focus", focal_t=0.4),
+    "focal_softcap": dict(kind="focal", focal_t=0.4, softcap=2.0),
 }
 
 
@@ -134,6 +137,16 @@ def test_sampling_is_reproducible():
     np.testing.assert_array_equal(a[:, :3], prompt)
     assert (np.asarray(a) != np.asarray(c)).any()
     assert ((np.asarray(a) >= 0) & (np.asarray(a) < VOCAB)).all()
+
+
+def test_each_step_samples_with_its_own_key():
+    """With every logit equal (a zero head), each new token is uniform over the vocabulary: 24 steps drawn with
+    one key reused would all pick the same token."""
+    model = _gpt2()
+    model.wte.embedding[...] = jnp.zeros_like(model.wte.embedding[...])  # tied head: all logits 0
+    out = np.asarray(generate(model, _tokens(seed=5, length=2), max_new_tokens=24, temperature=1.0,
+                              rng=jax.random.key(3)))[:, 2:]
+    assert all(len(set(row)) > 6 for row in out.tolist()), out
 
 
 def test_top_p_samples_only_the_nucleus():

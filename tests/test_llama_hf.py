@@ -212,6 +212,18 @@ def with_attention(model, **attn):
     return new
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_focus_equals_separate_documents(llama_dir, tokens, causal):
+    """Soft Focus with its Sinkhorn over each packed document only: a packed row's logits equal each document's
+    own forward (the paper's column sums, causal=False, would otherwise mix the documents' routing)."""
+    model = with_attention(from_hf(llama_dir[0]), kind="focus", focus_window=2, focus_groups=3, focus_dim=8,
+                           focus_causal=causal)
+    row = jnp.asarray(tokens[:1])
+    packed = model(row, segment_ids=jnp.asarray([[0] * 6 + [1] * 10], jnp.int32))
+    assert_close(packed[0, :6], model(row[:, :6])[0], atol=1e-4, what="doc 0")
+    assert_close(packed[0, 6:], model(row[:, 6:])[0], atol=1e-4, what="doc 1")
+
+
 @pytest.mark.parametrize("attn", [
     dict(kind="focal", focal_t=1.0),
     dict(kind="focal_learned", tau_min=3.0, tau_max=6.0),  # tau_bias set to sqrt(head_dim) = 4 below
@@ -318,6 +330,31 @@ def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     tensors["model.layers.0.self_attn.k_proj.bias"] = np.zeros(31, np.float32)
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"k_proj\.bias.*\(31,\).*\(32,\)"):
+        from_hf(str(tmp_path))
+
+
+def test_unused_tensor_names_it(tmp_path):
+    """A tensor the config gives no place to (here a qkv bias in a plain LLaMA checkpoint) is an error, not
+    silently dropped: the model would not be the one that was saved."""
+    make_hf("llama", str(tmp_path))
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.ones(64, np.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"does not use: \['model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        from_hf(str(tmp_path))
+
+
+def test_tensor_in_two_files_names_it(tmp_path):
+    """Without an index every *.safetensors file is read; a tensor stored in two of them is ambiguous."""
+    make_hf("llama", str(tmp_path))
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    os.remove(path)
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[: len(names) // 2 + 1]}, str(tmp_path / "a.safetensors"))
+    save_file({n: tensors[n] for n in names[len(names) // 2:]}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{names[len(names) // 2]}' appears in more than one"):
         from_hf(str(tmp_path))
 
 
