@@ -111,6 +111,16 @@ def test_outputs_unchanged_at_init_and_parameter_count(family, targets):
         assert (np.abs(value).max() > 0) == path.endswith("lora_a"), path
 
 
+def test_lora_initialisation():
+    """As PEFT's LoRA: A uniform in +-1/sqrt(in_features) (kaiming-uniform with a = sqrt(5)), B zero."""
+    base = nnx.Linear(256, 4, rngs=nnx.Rngs(0))
+    lora = LoRALinear(base, rank=8, scale=2.0, key=jax.random.key(1))
+    a, b = np.asarray(lora.lora_a[...]), np.asarray(lora.lora_b[...])
+    assert a.shape == (256, 8) and b.shape == (8, 4)
+    assert 0.9 / 16 < np.abs(a).max() <= 1 / 16 and abs(a.mean()) < 0.005
+    np.testing.assert_array_equal(b, 0.0)
+
+
 def test_lora_linear_matches_naive_update():
     model = _lora_model("gpt2", targets="qkvo", rank=3, alpha=6.0)
     proj = model.h[1].attn.v_proj
