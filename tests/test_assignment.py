@@ -17,7 +17,8 @@ from focal_jax.nn.retrofit import FocalConfig, FocusConfig, retrofit
 from focal_jax.train import train
 from focal_jax.train.config import config_differences
 from focal_jax.train.metrics import read_metrics
-from focal_jax.train.trainer import balance_loss
+from focal_jax.train.optimizer import OptimConfig, make_optimizer, split_trainable
+from focal_jax.train.trainer import balance_loss, group_counts, make_steps, real_token_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,6 +121,36 @@ def test_balance_loss_equals_a_numpy_computation():
     np.testing.assert_allclose(float(balance_loss(jnp.asarray(even), jnp.ones((1, 8)))), 1.0, rtol=1e-6)
     collapsed = np.eye(4)[np.zeros(8, int)][None]
     np.testing.assert_allclose(float(balance_loss(jnp.asarray(collapsed), jnp.ones((1, 8)))), 4.0, rtol=1e-6)
+
+
+def test_balance_weight_enters_the_gradient_not_the_logged_loss():
+    """With balance_weight > 0 the train step differentiates the LM loss plus the weighted balance loss: the same
+    parameters and batch give the same logged loss and balance_loss at weights 1e-6 and 1, but other gradients."""
+    model = retrofit(_llama(), FocusConfig(groups=4, dim=8, window=4, assign="softmax"))
+    optim = OptimConfig(trainable="centroids", warmup_steps=0)
+    graphdef, trainable, frozen = split_trainable(model, optim)
+    tx = make_optimizer(optim, 10)
+    b, t = 2, 16
+    tokens = jax.random.randint(jax.random.key(0), (b, t + 1), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.tile(jnp.arange(t), (b, 1)),
+             "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.float32)}
+    metrics = {}
+    for weight in (1e-6, 1.0):
+        train_step, _ = make_steps(graphdef, tx, jnp.float32, balance_weight=weight)
+        metrics[weight] = jax.jit(train_step)(trainable, tx.init(trainable), frozen, batch)[2]
+    for name in ("loss", "balance_loss"):
+        np.testing.assert_allclose(metrics[1.0][name], metrics[1e-6][name], rtol=1e-6, err_msg=name)
+    assert abs(float(metrics[1.0]["grad_norm"]) - float(metrics[1e-6]["grad_norm"])) > 1e-4
+
+
+def test_padding_is_left_out_of_the_group_counts():
+    """Padding (segment id 0) is no real token: the group counts of the eval dominance (and the balance loss) see
+    real tokens only; a batch without segment ids is all real."""
+    g = jnp.asarray(np.eye(2)[[0, 0, 1, 1]][None], jnp.float32)  # [1, 4, 2]: tokens 0, 1 in group 0; 2, 3 in 1
+    valid = real_token_mask({"inputs": jnp.zeros((1, 4), jnp.int32), "segment_ids": jnp.array([[1, 1, 2, 0]])})
+    np.testing.assert_array_equal(valid, [[1, 1, 1, 0]])
+    np.testing.assert_array_equal(group_counts([{"x": None}, {"g": g}], valid), [[2, 1]])  # one routing layer
+    np.testing.assert_array_equal(real_token_mask({"inputs": jnp.zeros((1, 4), jnp.int32)}), [[1, 1, 1, 1]])
 
 
 def _quickstart_runlocal():

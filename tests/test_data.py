@@ -636,3 +636,62 @@ def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its
     for bad in ("n_keys", "n_keys=two"):
         with pytest.raises(SystemExit):
             main(["--source", "synthetic", "--task_kwargs", bad])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Edge cases: boundaries, seeds, sharding, resume positions, validation
+
+
+def test_config_drops_blank_path_patterns():
+    """A trailing or doubled comma in `paths` / `eval_paths` leaves no empty pattern (which would match no file)."""
+    assert DataConfig(source="text", paths="a.txt,").paths == ("a.txt",)
+    assert DataConfig(source="text", paths=["a.txt", " ", ""]).paths == ("a.txt",)
+    assert DataConfig(source="text", paths="a.txt", eval_paths=" b.txt,, ").eval_paths == ("b.txt",)
+
+
+def test_score_refuses_an_answer_followed_by_a_letter():
+    """A prediction counts only when the answer is not followed by a letter or digit: 'moons' is not 'moon'."""
+    examples = [Example("Words: moon rain moon.\nThe most frequent word is:", " moon"), Example("a=", "1234")]
+    assert score(["moons", "1234a"], examples) == 0.0
+    assert score(["moon, rain", "1234."], examples) == 1.0
+
+
+def test_the_seed_sets_the_order_of_the_training_rows(cache_dir):
+    """Another seed shuffles the same rows into another order (the seed of a run is not ignored)."""
+    config = synthetic_config(cache_dir)
+    runs = [build_data(config, global_batch=4, seed=seed, process_index=0, process_count=1) for seed in (0, 1)]
+    n = runs[0].n_train_rows
+    epochs = [rows_of([data.train[s] for s in range(-(-n // 4))])["inputs"][:n] for data in runs]
+    assert sorted(map(tuple, epochs[0].tolist())) == sorted(map(tuple, epochs[1].tolist()))
+    assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_a_corpus_of_exactly_one_global_batch_of_rows_trains(cache_dir):
+    """The corpus must pack into at least `global_batch` rows: exactly that many is enough, one fewer is refused."""
+    tiny = synthetic_config(cache_dir, n_synthetic=3, eval_fraction=0.0)
+    n_rows = build_data(tiny, global_batch=1, seed=0, process_index=0, process_count=1).n_train_rows
+    assert n_rows > 1
+    data = build_data(tiny, global_batch=n_rows, seed=0, process_index=0, process_count=1)
+    assert next(train_iterator(data))["inputs"].shape == (n_rows, SEQ)
+    check_raises(lambda: build_data(tiny, global_batch=n_rows + 1, seed=0, process_index=0, process_count=1),
+                 f"{n_rows} rows", f"global_batch={n_rows + 1}")
+
+
+def test_an_eval_file_that_is_a_training_file_through_a_symlink_is_refused(tmp_path):
+    """eval_paths naming a training file by another path (a symlink to it) would evaluate on trained documents."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "a.jsonl").write_text('{"text": "one"}\n')
+    link = tmp_path / "eval.jsonl"
+    link.symlink_to(tmp_path / "train" / "a.jsonl")
+    config = DataConfig(source="jsonl", paths=str(tmp_path / "train" / "*.jsonl"), eval_paths=str(link),
+                        cache_dir=str(tmp_path / "cache"))
+    check_raises(lambda: build_data(config, global_batch=1, seed=0, process_index=0, process_count=1),
+                 "both match 1 file(s)", str(link))
+
+
+def test_the_tokenizer_cache_key_tells_apart_documents_split_differently():
+    """The same characters cut into documents at another place are another corpus (other training lines): the cache
+    key hashes each document's length with its text, so they do not share a cached tokenizer."""
+    key = tokenizer_module._cache_key
+    assert key(["the data", "model"], VOCAB) != key(["the", " datamodel"], VOCAB)
+    assert key(["the data", "model"], VOCAB) == key(["the data", "model"], VOCAB)

@@ -5,6 +5,7 @@ test_data.py), the documents as written to the files, and an uninterrupted run (
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -463,3 +464,109 @@ def test_streaming_config_defaults_and_tokenizer_command(tmp_path, cache_dir):
                  "--cache_dir", cache_dir, "--streaming"])
     assert build(config(pattern, cache_dir)).tokenizer.path == path
     assert re.search(r"spm_320_\w+\.model$", path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Edge cases: boundaries, seeds, sharding, resume positions, validation
+
+
+@pytest.mark.parametrize("fmt", ["text", "parquet", "array_record"])
+def test_reading_a_file_from_a_record_index_starts_at_that_record(tmp_path, fmt):
+    """A resumed stream reads a file from the record of its position: jsonl seeks a byte offset (resumed in the
+    tests above), the other formats start at a record index, which must give the file's records from there."""
+    [path, *_] = expand_paths((write_corpus(str(tmp_path / fmt), DOCS[:12], fmt, n_files=1),))
+    whole = list(streaming.iter_records(path, fmt, "text"))
+    assert len(whole) == {"text": 1, "parquet": 13, "array_record": 12}[fmt]  # parquet: a null row too
+    for start in range(len(whole) + 1):
+        assert list(streaming.iter_records(path, fmt, "text", start_record=start)) == whole[start:], start
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "array_record"])
+def test_resume_is_exact_inside_files_read_by_record_index(tmp_path, tokenizer_path, fmt):
+    """As test_resume_is_exact_at_every_step (jsonl), for the formats resumed at a record index: stop after step
+    k, resume from the JSON state, the next batches are the uninterrupted run's."""
+    pattern = write_corpus(str(tmp_path / fmt), DOCS[:40], fmt, n_files=2)
+    cfg = config(pattern, None, tokenizer=tokenizer_path, shuffle=False, eval_fraction=0.0)
+    it = train_iterator(build(cfg))
+    states, batches = [], []
+    for _ in range(8):
+        states.append(json.loads(json.dumps(it.get_state())))
+        batches.append(next(it))
+    assert any(s["positions"][0]["record"] > 0 for s in states)  # some resumes start inside a file
+    for k in range(1, 6):
+        resumed = train_iterator(build(cfg))
+        resumed.set_state(states[k])
+        assert_batches_equal([next(resumed) for _ in range(8 - k)], batches[k:])
+
+
+def test_sharding_by_document_alternates_one_record_files_between_readers(tmp_path, tokenizer_path):
+    """shard_by='document' gives reader s record r of the file at epoch position g when (r + g) % n_readers == s:
+    text files (one record each) alternate between the readers instead of all going to reader 0."""
+    pattern = write_corpus(str(tmp_path / "t"), DOCS[:10], "text")
+    cfg = config(pattern, None, tokenizer=tokenizer_path, shuffle=False, eval_fraction=0.0, shard_by="document")
+    shares = [epoch_documents(cfg, 0, [p], process_count=2) for p in (0, 1)]
+    assert shares == [DOCS[0:10:2], DOCS[1:10:2]]
+
+
+def test_shuffle_windows_are_reshuffled_every_epoch(tmp_path, tokenizer_path):
+    """One file and one reader, so the file order cannot change: the documents of each window of 8 are still permuted
+    anew every epoch, and stay within their window."""
+    pattern = write_corpus(str(tmp_path / "c"), DOCS, "jsonl", n_files=1)
+    cfg = config(pattern, None, tokenizer=tokenizer_path, shuffle=True, shuffle_window=8, eval_fraction=0.0)
+    epochs = [epoch_documents(cfg, epoch, [0]) for epoch in (0, 1)]
+    assert epochs[0] != epochs[1]
+    for docs in epochs:
+        assert docs != DOCS and all(sorted(docs[w:w + 8]) == sorted(DOCS[w:w + 8]) for w in range(0, len(DOCS), 8))
+
+
+def test_a_stream_resumed_after_the_last_document_of_an_epoch_goes_on(tmp_path, tokenizer_path):
+    """A row that ends exactly at the end of an epoch's last document saves the position after that document; from
+    there the epoch holds no more documents, which is not an empty stream: the next epoch follows."""
+    pattern = write_corpus(str(tmp_path / "c"), DOCS[:5], "jsonl", n_files=1)
+    cfg = config(pattern, None, tokenizer=tokenizer_path, shuffle=False, eval_fraction=0.0)
+    plan = streaming.train_plan(cfg, expand_paths(cfg.paths), seed=0, process_index=0, process_count=1)
+    first_epoch = list(itertools.islice(streaming.documents(plan, 0), 6))
+    assert [d.text for d in first_epoch[:5]] == DOCS[:5] and isinstance(first_epoch[5], streaming._EpochEnd)
+    resumed = list(itertools.islice(streaming.documents(plan, 0, first_epoch[4].after), 3))
+    assert isinstance(resumed[0], streaming._EpochEnd) and [d.text for d in resumed[1:]] == DOCS[:2]
+
+
+def test_resume_refuses_a_state_of_another_reader_count_or_next_reader(tmp_path, tokenizer_path):
+    """A state of readers [0] of 1 (one process) cannot resume readers [0] of 2 (process 0 of 2: it reads half the
+    files), and a state whose next reader is not one of its readers is invalid."""
+    cfg = resume_setup(tmp_path, tokenizer_path, interleave=1)
+    it = train_iterator(build(cfg))
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    half = train_iterator(build(cfg, process_index=0, process_count=2))
+    check_raises(lambda: half.set_state(state), "readers [0] of 1", "readers [0] of 2")
+    check_raises(lambda: train_iterator(build(cfg)).set_state({**state, "next": 1}), "invalid positions", "next=1")
+
+
+def test_a_seed_beyond_32_bits_is_refused_for_a_stream_too(tmp_path, tokenizer_path):
+    """Seeds are in [0, 2**32) (grain's shuffle of the in-memory pipeline); a stream, which shuffles with numpy,
+    refuses the same seeds, so a run's seed is valid in both modes."""
+    pattern = write_corpus(str(tmp_path / "c"), DOCS[:10], "jsonl", n_files=1)
+    cfg = config(pattern, None, tokenizer=tokenizer_path, shuffle=True, eval_fraction=0.0)
+    check_raises(lambda: build(cfg, seed=2**32), "seed=4294967296", "2**32")
+    assert next(train_iterator(build(cfg, seed=2**32 - 1)))["inputs"].shape == (4, SEQ)
+
+
+def test_resume_continues_with_the_reader_whose_row_is_next(tmp_path, tokenizer_path):
+    """Two interleaved readers and a batch of 3 rows: a batch can end after either reader's row, so the state's
+    `next` names the reader of the next row, and a resume continues with it."""
+    cfg = resume_setup(tmp_path, tokenizer_path)  # interleave=2
+    it = train_iterator(build(cfg, global_batch=3))
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["next"] == 1
+    expected = [next(it) for _ in range(4)]
+    resumed = train_iterator(build(cfg, global_batch=3))
+    resumed.set_state(state)
+    assert_batches_equal([next(resumed) for _ in range(4)], expected)
+
+
+def test_a_negative_shuffle_window_is_refused():
+    """shuffle_window is a count of documents: 0 or 1 reads in file order, a negative one is an error."""
+    check_raises(lambda: DataConfig(source="jsonl", paths="x", streaming=True, shuffle_window=-1), "shuffle_window=-1")
+    assert DataConfig(source="jsonl", paths="x", streaming=True, shuffle_window=0).shuffle_window == 0

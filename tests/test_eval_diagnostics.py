@@ -1,6 +1,7 @@
 """`focal_jax.eval.diagnostics`: routing statistics against numpy on hand-made assignments, attention entropy
 against the probabilities of `focal_jax.attention.reference`, the evaluation view, bad arguments, the command line."""
 
+import dataclasses
 import functools
 import json
 
@@ -220,3 +221,53 @@ def test_command_line_prints_and_writes_the_tables(tmp_path, capsys, monkeypatch
         assert json.load(f)["layers"][0]["routing"]["dominance"] == routing["dominance"]
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_layer_is_reported_from_its_own_routing_and_attention():
+    """A 2-layer Focus model: layer i's routing statistics and entropy come from layer i's recorded assignment and
+    probabilities; `routing_metrics` gives the mean, the max and each layer's dominance."""
+    config = dataclasses.replace(llama_config("focus_soft"), n_layers=2)
+    model = jit_init(lambda: Llama(config, rngs=nnx.Rngs(3)))
+    batch = packed_batch(np.random.default_rng(4))
+    result = diagnose(model, [batch], top=2)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def recorded(state, batch):
+        with record_attention() as records:
+            forward(nnx.merge(graphdef, state), batch)
+        return [{name: r[name] for name in ("x", "q", "k", "g") if name in r} for r in records]
+
+    valid = batch["segment_ids"] != 0
+    dominance = []
+    for i, record in enumerate(recorded(state, batch)):
+        layer = model.layers[i].self_attn
+        probs = np.asarray(reference_probabilities(layer.config, layer, record, batch["segment_ids"]), np.float64)
+        entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), -1)
+        np.testing.assert_allclose(result["layers"][i]["entropy"], entropy[valid].mean(0), rtol=1e-4, atol=1e-5)
+        g = np.asarray(record["g"])[valid]
+        sizes = np.bincount(np.argmax(g, -1), minlength=K) / len(g)
+        np.testing.assert_allclose(result["layers"][i]["routing"]["sizes"], sizes, rtol=1e-6)
+        np.testing.assert_allclose(result["layers"][i]["routing"]["confidence"], g.max(-1).mean(), rtol=1e-5)
+        dominance.append(sizes.max())
+    assert dominance[0] != dominance[1]  # the layers can be told apart
+    assert result["layers"][0]["entropy"] != result["layers"][1]["entropy"]
+    metrics = routing_metrics(model, batch)
+    np.testing.assert_allclose([metrics["dominance_l0"], metrics["dominance_l1"]], dominance, rtol=1e-6)
+    np.testing.assert_allclose(metrics["dominance"], np.mean(dominance), rtol=1e-6)
+    np.testing.assert_allclose(metrics["dominance_max"], np.max(dominance), rtol=1e-6)
+
+
+def test_long_range_affinity_leaves_out_padding_marked_by_valid_alone():
+    """`valid` without segment ids (padding inside one segment): padding tokens are neither queries nor keys of the
+    long-range pairs."""
+    rng = np.random.default_rng(1)
+    b, t, window = 2, 15, 2
+    g = rng.dirichlet(np.full(K, 0.5), size=(b, t)).astype(np.float32)
+    valid = np.ones((b, t), bool)
+    valid[0, 10:] = False
+    valid[1, [0, 7, 8]] = False
+    out = long_range_affinity(g, window=window, valid=valid)
+    expected, pairs = numpy_affinity(g, window, np.ones((b, t), np.int32), valid)
+    assert out["long_range_pairs"] == pairs > 0
+    np.testing.assert_allclose(out["affinity"], expected, rtol=1e-5)

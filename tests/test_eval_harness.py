@@ -299,3 +299,16 @@ def test_command_line_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:  # a usage error, not a FileNotFoundError traceback
         harness.main(["--workdir", str(tmp_path), "--tasks", "arc_easy"])
     assert info.value.code == 2 and "tokenizer.model" in capsys.readouterr().err
+
+
+def test_generate_until_keeps_the_end_of_a_long_prompt(model, tokenizer):
+    """A prompt longer than `max_length - max_gen_toks` loses its first tokens (the end of the context, next to
+    what is generated, is kept): the output is the greedy continuation of the last 20 prompt tokens."""
+    lm = FocalJaxLM(model, tokenizer, batch_size=BATCH, max_length=24)
+    context = " ".join(SENTENCES[:2])
+    prompt = [tokenizer.bos_id] + tokenizer.encode(context)
+    assert len(prompt) > 24
+    kept = naive_greedy(model, prompt[-20:], 4, tokenizer.eos_id)
+    assert kept != naive_greedy(model, prompt[:20], 4, tokenizer.eos_id)  # which end is kept matters
+    got = lm.generate_until(requests((context, {"max_gen_toks": 4})), disable_tqdm=True)
+    assert got == [tokenizer.decode(kept)]

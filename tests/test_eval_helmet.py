@@ -614,3 +614,46 @@ def test_command_line_on_a_tiny_model_writes_json_and_png(data_dir, tokenizer, t
     with pytest.raises(SystemExit):
         helmet.main(["--workdir", str(workdir), "--data", str(data_dir), "--datasets", "nq,cite"])
     assert "NLI model" in capsys.readouterr().err
+
+
+def test_a_rows_score_is_the_mean_over_its_examples(data_dir, tokenizer):
+    """One wrong answer per cell (the first prompt of every decoder call): each row scores (n - 1) / n, the mean
+    of its per-example scores, and the group rows average them; nothing was cut to fit, so `truncated` is 0."""
+    names = ["json_kv", "nq", "banking77"]
+    decode, _ = _stub_decoder(tokenizer, data_dir, names, [4096])
+
+    def first_wrong(model, prompts, **kwargs):
+        out = decode(model, prompts, **kwargs)
+        return [tokenizer.encode(" zzz\n") + [kwargs["eos_id"]]] + out[1:]
+
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=names, lengths=[4096], decode=first_wrong)
+    for row in result["rows"]:
+        assert [e["score"] for e in row["examples"]] == [0.0] + [1.0] * (row["n"] - 1), row["dataset"]
+        assert row["n"] > 1 and row["score"] == pytest.approx((row["n"] - 1) / row["n"])
+        assert row["truncated"] == 0 and row["units_kept"] == 1.0
+    groups = {g["group"]: g["score"] for g in result["groups"]}
+    assert groups == {row["group"]: pytest.approx(row["score"]) for row in result["rows"]}
+
+
+def test_truncated_counts_the_prompts_whose_context_was_cut(data_dir, tokenizer):
+    """`fit='truncate'` at a length every nq prompt overflows: every prompt is cut (`truncated` == n) and no
+    context unit is dropped (`units_kept` 1.0); at 4096 tokens, where they all fit, none is cut."""
+    examples = helmet.load_examples("nq", str(data_dir), 4096, n=None)
+    full = [_bounds(tokenizer, ex)[0] for ex in examples]
+    assert max(_n_tokens(tokenizer, ex.render("")) for ex in examples) < min(full) - 40  # the template fits
+    length = min(full) - 30 + 20  # a budget 30 tokens short of the shortest full prompt
+    row, fits = helmet.evaluate(None, tokenizer, str(data_dir), datasets=["nq"], lengths=[length, 4096], fit="truncate",
+                                decode=lambda model, prompts, **kwargs: [[kwargs["eos_id"]] for _ in prompts])["rows"]
+    assert row["n"] == len(examples) and row["truncated"] == row["n"] and row["units_kept"] == 1.0
+    assert row["prompt_tokens"] <= length - 20
+    assert fits["n"] == len(examples) and fits["truncated"] == 0
+
+
+def test_a_length_equal_to_the_generation_length_is_refused_before_decoding(data_dir, tokenizer):
+    """A target length that only fits the generated tokens leaves no prompt budget: refused by `check_data`,
+    naming the dataset, before any decoding."""
+    calls = []
+    with pytest.raises(ValueError, match=re.escape("length=20 leaves no room for a prompt: nq generates up to 20")):
+        helmet.evaluate(None, tokenizer, str(data_dir), datasets=["nq"], lengths=[20],
+                        decode=lambda *args, **kwargs: calls.append(args))
+    assert calls == []

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from focal_jax.attention import reference
-from focal_jax.eval.diagnostics import attention_view, forward, load_run
+from focal_jax.eval import perplexity
+from focal_jax.eval.diagnostics import attention_configs, attention_view, forward, load_run
 from focal_jax.eval.perplexity import evaluate_model, format_table, main, pair_counts, topk_table
 from focal_jax.nn.attention import record_attention
 from focal_jax.nn.llama import Llama, LlamaConfig
@@ -267,3 +268,49 @@ def test_command_line_step_and_window(tmp_path):
     batches = load_run(workdir, n_batches=1).batches
     np.testing.assert_allclose(windowed, evaluate_model(built, batches)["loss"], rtol=1e-5)
     assert abs(windowed - trainer_losses[2]) > 1e-3
+
+
+def test_topk_table_rows_evaluate_the_forms_they_name(model, monkeypatch):
+    """Which attention each row evaluates (the view's config when `evaluate_model` is called, stubbed): 'all' is
+    k = 1..K; the soft row is the training form (focus_topk=None, 'xla') even for a model configured hard; `impl`
+    applies to the hard rows, which default to the model's own hard path."""
+    seen = []
+
+    def stub(view, batches, **kwargs):
+        config = attention_configs(view)[0]
+        seen.append((config.focus_topk, config.impl))
+        return {"loss": 1.0, "perplexity": float(np.e), "tokens": 1}
+
+    monkeypatch.setattr(perplexity, "evaluate_model", stub)
+    batch = packed(np.ones((3, DOC_LEN), np.int32))
+    rows = topk_table(model, [batch], topk="all")
+    assert [(r["form"], r["k"]) for r in rows] == [("soft", None)] + [("hard", k) for k in range(1, K + 1)]
+    assert seen == [(None, "xla")] + [(k, "xla") for k in range(1, K + 1)]
+    hard = attention_view(model, focus_topk=2, impl="decomposed")
+    for impl, want in ((None, "decomposed"), ("xla", "xla")):
+        seen.clear()
+        topk_table(hard, [batch], topk="3,1", impl=impl)
+        assert seen == [(None, "xla"), (1, want), (3, want)], impl
+
+
+def test_pair_counts_leave_out_padding_marked_by_valid_alone():
+    """`valid` without segment ids (padding inside one segment, as a caller may pass it): a padding query counts no
+    pair of any kind and no query counts a padding key, for both counting methods."""
+    rng = np.random.default_rng(7)
+    b, t, window = 2, 13, 2
+    g = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, t, K)) * 2.0, jnp.float32), axis=-1)
+    valid = np.ones((b, t), bool)
+    valid[0, 9:] = False
+    valid[1, [0, 5, 6]] = False
+    one_segment = np.ones((b, t), np.int32)
+    causal = causal_pairs(one_segment, valid)
+    mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, 1), window=window)) & causal
+    distant = causal & (np.arange(t)[:, None] - np.arange(t)[None, :] > window)[None]
+    expected = {"causal": causal.sum(-1), "retained": mask.sum(-1), "distant": distant.sum(-1),
+                "distant_retained": (mask & distant).sum(-1)}
+    assert expected["distant_retained"].sum() > 0
+    for method in ("patterns", "blocks"):
+        counts = jax.jit(pair_counts, static_argnames=("k", "window", "method"))(g, k=1, window=window, valid=valid,
+                                                                                  method=method)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(np.asarray(counts[name]), value, err_msg=f"{method}: {name}")

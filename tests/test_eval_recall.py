@@ -10,6 +10,7 @@ raises naming the value.
 
 import json
 import re
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -305,3 +306,67 @@ def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit):
         recall.main(["--workdir", str(workdir), "--tasks", "needle,sorting"])
     assert "unknown recall task 'sorting'" in capsys.readouterr().err
+
+
+def test_encode_prompt_starts_with_bos_else_eos():
+    """The document-start token: bos when the tokenizer has one, else eos (as `focal_jax.data` starts documents)."""
+    def tokenizer(bos_id):
+        return types.SimpleNamespace(bos_id=bos_id, eos_id=3, encode=lambda text: [10 + len(text), 7])
+
+    assert recall.encode_prompt(tokenizer(2), "abc") == [2, 13, 7]
+    assert recall.encode_prompt(tokenizer(None), "abc") == [3, 13, 7]
+    assert recall.encode_prompt(tokenizer(-1), "abc") == [3, 13, 7]  # SentencePiece's id for a missing token
+
+
+def test_recall_suite_fills_a_gpt2_context_exactly(tokenizer, monkeypatch):
+    """Prompts plus answer tokens that fill GPT-2's `n_positions` exactly are decoded (greedy_decode accepts
+    them); one position fewer is refused, naming n_positions."""
+    # A target length below what its prompts and answers need: the check of the length alone passes, this one decides.
+    for length in range(96, 160):
+        samples = recall.length_matched("needle", tokenizer, length, 2, seed=1)
+        needed = max(len(s.tokens) for s in samples) + max(len(tokenizer.encode(s.example.answer))
+                                                            for s in samples) + 1
+        if needed > length:
+            break
+    else:
+        pytest.fail("no length in [96, 160) whose prompts and answers exceed it")
+    answers = {s.example.prompt: s.example.answer for s in samples}
+    monkeypatch.setattr(recall, "greedy_decode", _oracle(tokenizer, answers)[0])
+
+    def gpt2(n_positions):
+        config = GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=n_positions, d_model=16, n_layers=1,
+                            n_heads=2)
+        return nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))  # shapes only: the oracle never runs it
+
+    rows = recall.recall_suite(gpt2(needed), tokenizer, tasks=["needle"], lengths=[length], n_examples=2, seed=1)
+    assert rows[0]["accuracy"] == 1.0 and rows[0]["n"] == 2
+    with pytest.raises(ValueError, match=f"exceed the model's n_positions={needed - 1}"):
+        recall.recall_suite(gpt2(needed - 1), tokenizer, tasks=["needle"], lengths=[length], n_examples=2, seed=1)
+
+
+def test_eos_predicted_at_a_prompt_position_does_not_stop_a_row():
+    """KV cache: a row longer than the batch's prefill reads its prompt one token per step while a shorter row
+    generates; the model predicting eos after one of its prompt tokens (a prediction nobody writes) neither stops
+    nor changes it."""
+    model = _llama({})
+    rng = np.random.default_rng(5)
+    short, long = rng.integers(0, VOCAB, 2).tolist(), rng.integers(0, VOCAB, 12).tolist()
+    from_short = _naive_greedy(model, short, 12)
+    # predictions after prompt tokens 2..11 of the long row: past the prefill (1 token), before the prompt's end
+    within_prompt = jnp.argmax(_forward(model, jnp.asarray([long], jnp.int32))[0, 1:-1], -1).tolist()
+    candidates = [t for t in within_prompt if t not in from_short]  # the short row still runs when the long one ends
+    assert candidates, "precondition: a token predicted within the long prompt that the short row never generates"
+    eos = candidates[0]
+    expected = [from_short, _cut_after(_naive_greedy(model, long, 12), eos)]
+    assert greedy_decode(model, [short, long], max_new_tokens=12, eos_id=eos, batch_size=2) == expected
+
+
+def test_a_prompt_as_long_as_the_prefill_takes_its_first_token_from_it():
+    """KV cache: the prefill covers the bucket floor of the batch's shortest prompt (1 below 8 tokens, then 8, 10,
+    ...); a prompt of exactly that length gets its first new token from the prefill's logits."""
+    model = _llama({})
+    rng = np.random.default_rng(6)
+    for lengths in ((1, 3), (8, 9)):
+        prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+        expected = [_naive_greedy(model, p, 3) for p in prompts]
+        assert greedy_decode(model, prompts, max_new_tokens=3, batch_size=2) == expected, lengths

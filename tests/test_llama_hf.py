@@ -629,6 +629,28 @@ def test_rope_scaling_replaces_rope_parameters(tmp_path):
     assert_close(model(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what="rope_scaling and rope_parameters")
 
 
+def test_top_level_original_max_position_embeddings_wins(tmp_path):
+    """llama3 RoPE with original_max_position_embeddings both at the top of config.json (Phi-3's habit) and in the
+    rope dict: transformers reads the top-level one, and so does from_hf."""
+    make_hf("llama", str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config.pop("rope_scaling", None)
+    config.update(original_max_position_embeddings=20, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 80})
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    model = from_hf(str(tmp_path))
+    assert model.config.attention.rope_llama3 == (8.0, 1.0, 4.0, 20)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40)).astype(np.int32)
+    expected = hf_logits(hf, tokens)
+    assert_close(model(jnp.asarray(tokens)), expected, atol=1e-4, what="top-level original_max_position_embeddings")
+    dict_length = with_attention(model, rope_llama3=(8.0, 1.0, 4.0, 80))
+    assert float(np.abs(np.asarray(dict_length(jnp.asarray(tokens))) - expected).max()) > 1e-2  # the choice matters
+
+
 def test_llama3_rope_keeps_short_wavelengths_and_stretches_long_ones():
     plain = np.asarray(rope_inverse_frequencies(16, 500.0))
     scaled = np.asarray(rope_inverse_frequencies(16, 500.0, llama3=(8.0, 1.0, 4.0, 80)))

@@ -56,3 +56,21 @@ def test_one_study_end_to_end(tmp_path):
     assert not reproduce.finished(str(tmp_path / "runs" / "missing"), 2)
     reproduce.main(["--render-only", "--out", str(out), "--markdown", str(markdown)])
     assert [r for r in markdown.read_text().splitlines() if r.startswith("| ")] == rows
+
+
+def test_render_lists_the_claims_that_do_not_hold_and_those_within_the_noise(tmp_path):
+    """REPRODUCTION.md from hand-written study results: one table row per claim with its verdict, and the two
+    summaries name exactly the 'no' claims and exactly the 'unclear' ones."""
+    out = tmp_path / "out"
+    out.mkdir()
+    claims = [reproduce.claim(f"claim {h}", "paper", f"ours {h}", h) for h in ("yes", "no", "unclear", "n/a")]
+    study = {"study": "focal", "title": "t", "command": "cmd", "steps": 4, "tiny": True, "date": "today",
+             "claims": claims, "noise": {"loss_seed0": 1.0, "loss_seed1": 1.5, "spread": 0.5}, "pngs": {}}
+    (out / "focal.json").write_text(json.dumps(study))
+    markdown = tmp_path / "REPRODUCTION.md"
+    text = open(reproduce.render(str(out), str(markdown))).read()
+    rows = [line for line in text.splitlines() if line.startswith("| focal |")]
+    assert [row.split(" | ")[4] for row in rows] == ["**yes**", "**no**", "**unclear**", "**n/a**"]
+    lines = text.splitlines()
+    assert "**Where the direction does not hold at our scale** ('no'): focal: claim no." in lines
+    assert "**Within the noise** ('unclear'): focal: claim unclear." in lines

@@ -246,3 +246,43 @@ def test_padding_in_a_segment_of_its_own(causal):
     grad = jax.grad(loss)(scores)
     assert bool(jnp.all(jnp.isfinite(grad)))
     assert float(jnp.max(jnp.abs(grad[:, :15]))) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A token alone in its column sums: exactly uniform.
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("k", [3, 4, 8])
+def test_a_token_alone_in_its_columns_is_exactly_uniform(causal, k):
+    """With causal=True the first valid token of each segment, with causal=False a segment of one valid token, is
+    alone in its column sums: its row is uniform whatever its scores. Rounding used to leave it a few ulps off
+    (0.24999997 beside 0.25 under jit), so its hard top-1 group changed with the compilation, and greedy decoding
+    with causal hard Focus differed from the full forward. It is exactly 1/K, eager, jitted and scanned, with a
+    zero gradient, and its top-k groups are the lowest indices; the other tokens are unchanged."""
+    from focal_jax.attention import topk_membership
+    t = 12
+    scores = rand_scores(30 + k, b=2, t=t, k=k)
+    if causal:  # first valid tokens at 0, 5 (a new segment) and 9 (after padding at 8, row 1)
+        seg = jnp.asarray([[1] * 5 + [2] * 7, [1] * 5 + [2] * 3 + [3] * 4], jnp.int32)
+        valid = jnp.asarray([[True] * t, [True] * 8 + [False] + [True] * 3])
+        alone = [(0, 0), (0, 5), (1, 0), (1, 5), (1, 9)]
+    else:  # one-token segments at 4, and at 11 beside padding of its own segment at 10 (row 1)
+        seg = jnp.asarray([[1] * 4 + [2] + [3] * 7, [1] * 4 + [2] + [3] * 5 + [4] * 2], jnp.int32)
+        valid = jnp.asarray([[True] * t, [True] * 10 + [False, True]])
+        alone = [(0, 4), (1, 4), (1, 11)]
+    forms = {"eager": lambda s: sinkhorn(s, segment_ids=seg, valid=valid, causal=causal),
+             "jit": jax.jit(lambda s: sinkhorn(s, segment_ids=seg, valid=valid, causal=causal)),
+             "scan": jax.jit(lambda s: sinkhorn(s, segment_ids=seg, valid=valid, causal=causal, unroll=False))}
+    rows, cols = (np.array(x) for x in zip(*alone))
+    for name, fn in forms.items():
+        g = np.asarray(fn(scores))
+        np.testing.assert_array_equal(g[rows, cols], np.full((len(alone), k), np.float32(1.0 / k)), err_msg=name)
+        membership = np.asarray(topk_membership(jnp.asarray(g), 2))
+        np.testing.assert_array_equal(membership[rows, cols], np.tile(np.arange(k) < 2, (len(alone), 1)), err_msg=name)
+        others = np.asarray(valid).copy()
+        others[rows, cols] = False
+        assert_close(g[others], reference.sinkhorn(scores, segment_ids=seg, valid=valid, causal=causal)[others],
+                     what=name)
+    grad = jax.grad(lambda s: jnp.sum(forms["jit"](s)[rows, cols] * jnp.arange(1.0, k + 1.0)))(scores)
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)  # their rows depend on no score

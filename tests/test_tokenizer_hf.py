@@ -224,3 +224,28 @@ def test_a_documents_own_special_token_text_is_ordinary_text(hf_tokenizer, tmp_p
         assert first[1:-1] == plain.encode(doc, add_special_tokens=False).ids
         assert reference.decode(first[1:-1]) == doc
     assert load_tokenizer(path).encode(EOS) == [eos]  # `encode` itself still reads special tokens
+
+
+def test_a_special_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    """config.json's ids must be below the vocabulary size: the largest valid id is vocab_size - 1, and vocab_size
+    itself (one past the embedding table) is refused."""
+    path = make_tokenizer_json(str(tmp_path))
+    size = tokenizers.Tokenizer.from_file(path).get_vocab_size()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": size}))
+    with pytest.raises(ValueError, match=f"eos_token_id={size}"):
+        load_tokenizer(path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": size - 1}))
+    assert load_tokenizer(path).eos_id == size - 1
+
+
+def test_decode_drops_an_eos_that_is_an_ordinary_token(tmp_path):
+    """decode drops the bos / eos / pad ids even when the tokenizer.json does not mark them special (here config.json
+    names the ordinary token ' the' as eos), not only the special tokens the tokenizers library skips."""
+    path = make_tokenizer_json(str(tmp_path))
+    reference = tokenizers.Tokenizer.from_file(path)
+    the = reference.token_to_id("Ġthe")
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": the}))
+    tok = load_tokenizer(path)
+    ids = reference.encode("x=1234", add_special_tokens=False).ids
+    assert tok.eos_id == the and reference.decode([the] + ids) == " thex=1234"
+    assert tok.decode([the] + ids + [the]) == "x=1234"

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -28,8 +29,9 @@ from focal_jax.nn.variables import Centroid
 from focal_jax.train import checkpoint, train, trainer
 from focal_jax.train.config import check_config, config_differences, default_config
 from focal_jax.train.metrics import read_metrics
-from focal_jax.train.optimizer import OptimConfig, decay_mask, make_optimizer, param_paths, split_trainable
-from focal_jax.train.sharding import check_batch_layout, make_mesh, partition_spec
+from focal_jax.train.optimizer import (OptimConfig, decay_mask, learning_rate_schedule, make_optimizer, param_paths,
+                                       split_trainable)
+from focal_jax.train.sharding import check_batch_layout, make_mesh, partition_spec, shard_batch
 from focal_jax.train.trainer import cast_floats, init_model, load_model, masked_nll
 from helpers import load_experiment
 
@@ -102,6 +104,19 @@ def test_trainable_selection_and_frozen_have_no_optimizer_state():
         split_trainable(model, OptimConfig(trainable_regex="nothing"))
     with pytest.raises(ValueError, match="optim.trainable='bias'"):
         OptimConfig(trainable="bias")
+
+
+def test_trainable_types_select_their_parameters():
+    """optim.trainable 'temperature' and 'centroids+temperature' select a learned-temperature layer's `Temperature`
+    parameters, 'centroids' and 'centroids+temperature' a Focus layer's `Centroid` ones (nothing else)."""
+    learned = Llama(focal_config("tiny", attn={"kind": "focal_learned"}), rngs=nnx.Rngs(0))
+    focus = Llama(focal_config("tiny", attn={"kind": "focus"}), rngs=nnx.Rngs(0))
+    temperature = [f"layers/{i}/self_attn/{n}" for i in (0, 1) for n in ("tau_bias", "w_tau")]
+    centroids = [f"layers/{i}/self_attn/{n}" for i in (0, 1) for n in ("centroids", "w_g")]
+    for trainable in ("temperature", "centroids+temperature"):
+        assert param_paths(split_trainable(learned, OptimConfig(trainable=trainable))[1]) == temperature, trainable
+    for trainable in ("centroids", "centroids+temperature"):
+        assert param_paths(split_trainable(focus, OptimConfig(trainable=trainable))[1]) == centroids, trainable
 
 
 def test_mesh_and_partition_specs():
@@ -190,6 +205,110 @@ def test_task_kwargs_is_a_section():
     assert config_differences(stored, current) == []
     stored["data"]["task_kwargs"] = [["n_pairs", 4], ["n_queries", 2]]
     assert config_differences(stored, current) == ["data.task_kwargs.n_pairs: 4 (stored) vs 5 (now)"]
+
+
+def test_optimizer_is_adamw_after_global_norm_clipping():
+    """make_optimizer against a NumPy AdamW (b1 on the first moment, b2 on the second, eps, decoupled weight decay
+    on matrices only, the schedule's lr at the update's index 0, 1, ...) fed gradients first clipped to global norm
+    `clip`: a huge first gradient enters Adam's moments at norm 1, so the small ones after it still move the
+    parameters as much as they would after a unit gradient."""
+    config = OptimConfig(lr=0.1, warmup_steps=0, final_lr_fraction=0.5, b1=0.8, b2=0.9, eps=1e-3, weight_decay=0.3,
+                         clip=1.0)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(3, 2)).astype(np.float32), "b": rng.normal(size=(2,)).astype(np.float32)}
+    grads = [{k: (scale * rng.normal(size=v.shape)).astype(np.float32) for k, v in params.items()}
+             for scale in (1e4, 0.1, 0.2)]
+    tx, schedule = make_optimizer(config, total_steps=3), learning_rate_schedule(config, 3)
+    state, got = tx.init(params), params
+    want = {k: v.astype(np.float64) for k, v in params.items()}
+    mu, nu = ({k: np.zeros_like(v) for k, v in want.items()} for _ in range(2))
+    for t, g in enumerate(grads):
+        updates, state = tx.update(g, state, got)
+        got = optax.apply_updates(got, updates)
+        norm = math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64))) for x in g.values()))
+        lr = float(schedule(t))
+        for k in want:
+            clipped = g[k].astype(np.float64) * min(1.0, config.clip / norm)
+            mu[k] = config.b1 * mu[k] + (1 - config.b1) * clipped
+            nu[k] = config.b2 * nu[k] + (1 - config.b2) * clipped ** 2
+            step = (mu[k] / (1 - config.b1 ** (t + 1))) / (np.sqrt(nu[k] / (1 - config.b2 ** (t + 1))) + config.eps)
+            decay = config.weight_decay * want[k] if want[k].ndim >= 2 else 0.0
+            want[k] = want[k] - lr * (step + decay)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=f"{k} after update {t}")
+
+
+def test_learning_rate_schedule_boundaries():
+    """Linear warmup from 0 reaches `lr` at warmup_steps; the cosine ends at final_lr_fraction * lr (a fraction of
+    the peak, not an absolute rate) at decay_steps (default total_steps) and stays there; a warmup longer than the
+    decay is cut to it, so a run shorter than its warmup still reaches the peak at its end."""
+    s = learning_rate_schedule(OptimConfig(lr=0.02, warmup_steps=4, final_lr_fraction=0.25), total_steps=20)
+    np.testing.assert_allclose([float(s(i)) for i in (0, 2, 4, 12, 20, 30)],
+                               [0.0, 0.01, 0.02, 0.0125, 0.005, 0.005], rtol=1e-5, atol=1e-9)
+    s = learning_rate_schedule(OptimConfig(lr=0.02, warmup_steps=4, final_lr_fraction=0.25, decay_steps=12), 100)
+    np.testing.assert_allclose([float(s(i)) for i in (4, 8, 12, 50)], [0.02, 0.0125, 0.005, 0.005], rtol=1e-5)
+    s = learning_rate_schedule(OptimConfig(lr=0.02, warmup_steps=50, final_lr_fraction=0.25), total_steps=10)
+    np.testing.assert_allclose([float(s(i)) for i in (5, 10, 11)], [0.01, 0.02, 0.005], rtol=1e-5)
+
+
+def test_counters_and_settings_that_cannot_train_are_refused():
+    """A 0 for a step interval, the batch or the checkpoints kept (total_steps=0 is a zero-shot baseline), a clip of 0
+    (every update 0, NaN for a zero gradient), a NaN or infinite balance weight, and a bool or float where a count
+    of batches or steps goes fail at once, naming themselves."""
+    config = default_config()
+    config.total_steps = 0
+    check_config(config)
+    for name in ("batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
+        config = default_config()
+        config[name] = 0
+        with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {name}=0"):
+            check_config(config)
+    with pytest.raises(ValueError, match="optim.clip must be None or > 0, got clip=0.0"):
+        OptimConfig(clip=0.0)
+    for weight in (math.nan, math.inf):  # an infinite loss, NaN gradients
+        config = default_config()
+        config.balance_weight = weight
+        with pytest.raises(ValueError, match=f"balance_weight must be a finite number >= 0, got "
+                                             f"balance_weight={weight}"):
+            check_config(config)
+    config = default_config()
+    config.eval_batches = True
+    with pytest.raises(ValueError, match="eval_batches must be an integer >= 0, got eval_batches=True"):
+        check_config(config)
+    for name, value in (("warmup_steps", 2.5), ("warmup_steps", True), ("decay_steps", 10.0)):
+        with pytest.raises(ValueError, match=f"optim.{name} must be .*an integer .*got {name}={value}"):
+            OptimConfig(**{name: value})
+
+
+def test_batches_split_over_data_and_fsdp():
+    """A batch's rows are split over both batch axes (data x fsdp), each device holding its own rows; replicated over
+    tensor."""
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    batch = shard_batch({"inputs": np.arange(8 * 3, dtype=np.int32).reshape(8, 3)}, mesh)
+    inputs = batch["inputs"]
+    assert inputs.sharding.shard_shape(inputs.shape) == (2, 3)
+    rows = {tuple(np.asarray(shard.data)[:, 0] // 3) for shard in inputs.addressable_shards}
+    assert rows == {(0, 1), (2, 3), (4, 5), (6, 7)}
+
+
+def test_evaluate_weights_batches_by_their_targets():
+    """The held-out loss is the mean over all target tokens (a batch with few targets weighs little), not the mean
+    of the batches' means; dominance sums each layer's group counts over the batches first, then takes the mean
+    (and max) over the layers. (A stand-in eval_step: the nll sum and target count of the batch, given counts.)"""
+    full, sparse = np.ones((8, 4), np.float32), np.zeros((8, 4), np.float32)
+    sparse[:, 0] = 1  # 8 targets
+    batches = [{"nll": 1.0 * full, "mask": full}, {"nll": 4.0 * sparse, "mask": sparse}]
+    counts = iter([np.array([[3, 1], [2, 2]]), np.array([[0, 4], [2, 2]])])  # [layers, groups] of each batch
+
+    def eval_step(trainable, frozen, batch):
+        return jnp.sum(batch["nll"] * batch["mask"]), jnp.sum(batch["mask"]), next(counts)
+
+    result = trainer.evaluate(eval_step, None, None, batches, make_mesh({"data": -1}))
+    assert result["tokens"] == 40.0
+    np.testing.assert_allclose(result["loss"], (32 + 32) / 40, rtol=1e-6)  # not (1 + 4) / 2
+    np.testing.assert_allclose(result["perplexity"], math.exp(1.6), rtol=1e-6)
+    # layer 0: [3, 5] -> 5/8 (not the batches' mean (3/4 + 1) / 2), layer 1: [4, 4] -> 1/2
+    np.testing.assert_allclose([result["dominance"], result["dominance_max"]], [(5 / 8 + 1 / 2) / 2, 5 / 8])
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -476,6 +595,39 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, cache_
     assert step is not None and step >= 2 and max(losses(workdir)) == step
 
 
+def test_a_run_logs_the_lr_each_step_used_and_evaluates_its_last_step(tmp_path, cache_dir):
+    """A train record's lr is the one its step's update used (optax counts updates from 0: step 1 trains at
+    schedule(0), which is 0 at the start of the warmup, so step 1 leaves the parameters as they started);
+    evaluation runs every eval_every steps and at the last step; a finished run started again trains nothing."""
+    config = tiny(cache_dir, total_steps=3, eval_every=2, eval_batches=1, ckpt_every=1)  # warmup: 5 steps
+    workdir = str(tmp_path / "run")
+    records = train(config, workdir)
+    schedule = learning_rate_schedule(check_config(config).optim, config.total_steps)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    np.testing.assert_allclose([r["lr"] for r in records], [float(schedule(i)) for i in (0, 1, 2)], rtol=1e-6)
+    assert records[0]["lr"] == 0.0 < records[1]["lr"]
+    start, after_one = init_model(check_config(config)), load_model(workdir, step=1)
+    np.testing.assert_array_equal(after_one.layers[1].mlp.up_proj.kernel[...], start.layers[1].mlp.up_proj.kernel[...])
+    assert [r["step"] for r in read_metrics(workdir, kind="eval")] == [2, 3]
+    assert train(config, workdir) == [] and latest_step(workdir) == 3
+
+
+def test_tokens_per_s_counts_every_step_since_the_last_record(tmp_path, cache_dir, monkeypatch):
+    """tokens_per_s of a record is the tokens of all the steps since the previous record over the time since it
+    (log_every=2: two steps' tokens; the last step, logged alone, one), on a fake clock that ticks 1 s per reading."""
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    config = tiny(cache_dir, total_steps=3, log_every=2)
+    records = train(config, str(tmp_path / "run"))
+    tokens_per_step = config.batch_size * config.data.seq_len
+    assert [(r["step"], r["tokens_per_s"]) for r in records] == [(2, 2.0 * tokens_per_step), (3, 1.0 * tokens_per_step)]
+
+
 # ------------------------------------------------------------------------------------------------ init precedence
 
 
@@ -511,6 +663,26 @@ def test_retrofit_from_own_workdir_trains_centroids_only(tmp_path, cache_dir):
     with pytest.raises(ValueError, match=r"has no checkpoint at step=2 \(the step of init_from that this run started "
                                          r"from;.*\); saved steps: \[5\]"):
         load_model(retro)
+
+
+def test_a_resumed_retrofit_stays_on_its_base_step(tmp_path, cache_dir):
+    """A retrofit run resumed after its base run trained on starts again from the base step it was trained from
+    (the one its checkpoint records), not from the base's latest: it records that step, and its frozen parameters
+    stay those of that step."""
+    base = str(tmp_path / "base")
+    train(tiny(cache_dir, total_steps=2), base)
+    base_params = nnx.to_pure_dict(nnx.state(load_model(base), nnx.Param))
+    config = load_experiment("focus_retrofit", f"runlocal,init_from={base}")
+    config.update(batch_size=8, total_steps=2, eval_batches=0)
+    retro = str(tmp_path / "retro")
+    train(config, retro, stop_after=1)
+    train(tiny(cache_dir, total_steps=3), base)  # the base goes on: its latest step is 3
+    train(config, retro)
+    _, meta = checkpoint.read_meta(retro)
+    assert (meta["step"], meta["init_from_step"]) == (2, 2)
+    retro_params = nnx.to_pure_dict(nnx.state(load_model(retro), nnx.Param))
+    for path, value in zip(param_paths(base_params), jax.tree.leaves(base_params)):
+        np.testing.assert_array_equal(_get(retro_params, path), value, err_msg=path)
 
 
 def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_dir):

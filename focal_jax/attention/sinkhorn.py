@@ -47,7 +47,9 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
         body compiles 1.6-3x faster but runs up to 1.5x slower on CPU (`python -m focal_jax.bench sinkhorn`).
 
     Returns:
-      g: float32 `[B, T, K]`, rows summing to 1.
+      g: float32 `[B, T, K]`, rows summing to 1. A valid token alone in its column sums (the first token of its
+      segment when `causal`, a one-token segment otherwise) gets exactly `1/K` in every group: its ties, for
+      `topk_membership`, go to the lower group index whatever the compilation's rounding.
 
     Example:
       >>> import jax
@@ -77,4 +79,8 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
         return log_q - jax.nn.logsumexp(log_q, axis=-1, keepdims=True), None
 
     log_q, _ = jax.lax.scan(iteration, scores.astype(jnp.float32), None, length=n_iters, unroll=unroll)
-    return jnp.exp(log_q)
+    # Such a token's row is uniform whatever its scores, but rounding left it a few ulps off, differently from one
+    # compilation to the next, and its top-k groups with it.
+    log_count = column_logsumexp(jnp.where(valid, 0.0, -jnp.inf)[..., None])[..., 0]
+    alone = valid & (log_count < 0.5 * np.log(2.0))
+    return jnp.where(alone[..., None], jnp.float32(1.0 / k), jnp.exp(log_q))

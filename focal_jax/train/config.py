@@ -9,6 +9,7 @@ frozen dataclasses the code uses (so that an unknown or misspelt key fails at on
 
 import dataclasses
 import json
+import math
 import os
 import typing
 
@@ -171,14 +172,15 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         value, least = merged[name], 0 if name == "total_steps" else 1  # 0 steps: a zero-shot baseline
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {name}={value!r}")
-    if not isinstance(merged["eval_batches"], int) or merged["eval_batches"] < 0:
+    if (isinstance(merged["eval_batches"], bool) or not isinstance(merged["eval_batches"], int)
+            or merged["eval_batches"] < 0):
         raise ValueError(f"eval_batches must be an integer >= 0, got eval_batches={merged['eval_batches']!r}")
     for name in ("compute_dtype", "param_dtype"):
         if merged[name] not in DTYPES:
             raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
     weight = merged["balance_weight"]
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-        raise ValueError(f"balance_weight must be a number >= 0, got balance_weight={weight!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+        raise ValueError(f"balance_weight must be a finite number >= 0, got balance_weight={weight!r}")
     mesh = _as_dict(merged["mesh"])
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     retrofit_section = _as_dict(merged["retrofit"])
