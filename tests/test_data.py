@@ -177,7 +177,9 @@ def test_synthetic_answers_are_found_in_the_context():
         pairs = dict(re.findall(r"\b([a-z]{3})=(\d{4})\b", context))
         answered = re.findall(r"\b([a-z]{3})=(\d{4})\b", queries)
         assert len(pairs) == 10 and len(answered) == 2 and all(pairs[k] == v for k, v in answered)
-        assert pairs[queries.split(", ")[-1].removesuffix("=")] == ex.answer
+        asked = queries.split(", ")[-1].removesuffix("=")
+        assert pairs[asked] == ex.answer
+        assert len({k for k, _ in answered} | {asked}) == 3  # distinct queries: the asked one is not answered before
     for ex in make_examples("needle", 30, seed=1, n_sentences=30, n_keys=3):
         key = re.search(r"What is the magic number for (\w+)\?", ex.prompt).group(1)
         assert f"The magic number for {key} is {ex.answer}." in ex.prompt
