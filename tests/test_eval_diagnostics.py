@@ -133,6 +133,26 @@ def reference_probabilities(config, layer, record, segment_ids):
     return jax.jit(attend)(q, k, eye, membership, segment_ids=segment_ids)
 
 
+def recorded_layers(model, batch):
+    """Each attention layer's recorded input `x`, `q`, `k` and (Focus) assignment `g` in a jitted forward of
+    `batch`: a list, one dict per layer."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def recorded(state, batch):
+        with record_attention() as records:
+            forward(nnx.merge(graphdef, state), batch)
+        return [{name: r[name] for name in ("x", "q", "k", "g") if name in r} for r in records]
+
+    return recorded(state, batch)
+
+
+def reference_entropy(layer, record, segment_ids):
+    """The attention entropy `[B, T, H]` (float64, nats) of `layer`'s reference probabilities for `record`."""
+    probs = np.asarray(reference_probabilities(layer.config, layer, record, segment_ids), np.float64)
+    return -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), -1)
+
+
 @pytest.mark.parametrize("name", ["focal_learned", "focus_soft", "focal+focus_hard_top2"])
 def test_entropy_and_routing_of_a_model_equal_reference_computations(name):
     model = small_llama(name)
@@ -140,18 +160,9 @@ def test_entropy_and_routing_of_a_model_equal_reference_computations(name):
     batch = packed_batch(np.random.default_rng(2))
     result = diagnose(model, [batch], top=3)
 
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def recorded(state, batch):
-        with record_attention() as records:
-            forward(nnx.merge(graphdef, state), batch)
-        return {name: records[0][name] for name in ("x", "q", "k", "g") if name in records[0]}
-
-    record = recorded(state, batch)
+    record = recorded_layers(model, batch)[0]
     valid = batch["segment_ids"] != 0
-    probs = np.asarray(reference_probabilities(layer.config, layer, record, batch["segment_ids"]), np.float64)
-    entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), -1)  # [B, T, H]
+    entropy = reference_entropy(layer, record, batch["segment_ids"])
     np.testing.assert_allclose(result["layers"][0]["entropy"], entropy[valid].mean(0), rtol=1e-4, atol=1e-5)
     keys = [np.log(np.sum((batch["segment_ids"][b, :i + 1] == batch["segment_ids"][b, i])))
             for b, i in zip(*np.nonzero(valid))]
@@ -230,20 +241,10 @@ def test_each_layer_is_reported_from_its_own_routing_and_attention():
     model = jit_init(lambda: Llama(config, rngs=nnx.Rngs(3)))
     batch = packed_batch(np.random.default_rng(4))
     result = diagnose(model, [batch], top=2)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def recorded(state, batch):
-        with record_attention() as records:
-            forward(nnx.merge(graphdef, state), batch)
-        return [{name: r[name] for name in ("x", "q", "k", "g") if name in r} for r in records]
-
     valid = batch["segment_ids"] != 0
     dominance = []
-    for i, record in enumerate(recorded(state, batch)):
-        layer = model.layers[i].self_attn
-        probs = np.asarray(reference_probabilities(layer.config, layer, record, batch["segment_ids"]), np.float64)
-        entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0), -1)
+    for i, record in enumerate(recorded_layers(model, batch)):
+        entropy = reference_entropy(model.layers[i].self_attn, record, batch["segment_ids"])
         np.testing.assert_allclose(result["layers"][i]["entropy"], entropy[valid].mean(0), rtol=1e-4, atol=1e-5)
         g = np.asarray(record["g"])[valid]
         sizes = np.bincount(np.argmax(g, -1), minlength=K) / len(g)
