@@ -1,9 +1,11 @@
 """Test configuration: 8 fake CPU devices (for sharding tests), set before jax is imported anywhere.
 
-Nothing else is global: float32 stays the default (no x64). `fast_compiles` and `optimized_cpu_code` are fixtures
-a module opts into, e.g. `pytestmark = pytest.mark.usefixtures("fast_compiles")`.
+Nothing else is global: float32 stays the default (no x64), and each module's compiled programs are freed after it
+(`_free_compiled_programs`). `fast_compiles` and `optimized_cpu_code` are fixtures a module opts into, e.g.
+`pytestmark = pytest.mark.usefixtures("fast_compiles")`.
 """
 
+import gc
 import os
 
 import pytest
@@ -39,3 +41,17 @@ def optimized_cpu_code():
     """XLA's optimized CPU code, even where `make test` asks for less (JAX_DISABLE_MOST_OPTIMIZATIONS): for tests
     whose outcome depends on how near-ties round (test_generate.py)."""
     yield from _most_optimizations_disabled(False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """jax keeps every program a process compiles or reads back from the persistent cache, and on CPU each one
+    holds three memory mappings. A pytest-xdist worker running half the suite reached 57,864 of Linux's default
+    limit of 65,530 (`vm.max_map_count`) and 8.7 GB, and workers segfaulted now and then late in the run while
+    loading a program, as they would when the limit is passed. Freed after each module (peak: 18,147 and 4.9 GB),
+    the programs are read back from the persistent cache by the next module that needs them."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -3,8 +3,10 @@
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from focal_jax._validation import check_int, is_integer
 from focal_jax.attention import (dot_product_attention, focal_attention, focus_attention, focus_mask,
                                  focus_sparse_attention, learned_temperature, routing_scores, sinkhorn,
                                  topk_membership)
@@ -219,3 +221,28 @@ def test_smooth_clip_needs_a_finite_tau_max():
 @pytest.mark.parametrize("fn", list(ATTENTION_FNS))
 def test_infinite_array_scale_is_refused(fn):
     check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, scale=jnp.float32(jnp.inf)), "scale", "inf")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The integer settings of nn/, data/, train/ and eval/ (one shared check)
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [3, np.int32(3), np.int64(3)])
+def test_check_int_accepts_python_and_numpy_integers(value):
+    got = check_int("n", value, 1)
+    assert got == 3 and type(got) is int
+
+
+@pytest.mark.parametrize("bad", [True, 3.0, "3", None, np.float32(3.0), 0, -2])
+def test_check_int_refuses_non_integers_and_values_below_the_minimum(bad):
+    check_raises(lambda: check_int("max_len", bad, 1), "max_len", repr(bad))
+
+
+def test_is_integer_takes_numpy_integers_but_no_bool():
+    assert is_integer(-1) and is_integer(np.int64(2)) and is_integer(np.uint8(2))
+    assert not any(is_integer(x) for x in (True, np.bool_(True), 1.0, np.float64(1.0), "1", None))
+
+
+def test_check_int_minimum_is_inclusive():
+    assert check_int("eos_id", 0, 0) == 0
+    check_raises(lambda: check_int("eos_id", -1, 0), "eos_id", ">= 0")

@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 
+from focal_jax._validation import check_int
 from focal_jax.data import synthetic
 
 SOURCES = ("builtin", "text", "jsonl", "parquet", "array_record", "synthetic")
@@ -80,11 +81,11 @@ class DataConfig:
         _string("field", self.field)
         _choice("task", self.task, tuple(synthetic.TASKS))
         object.__setattr__(self, "task_kwargs", _task_kwargs(self.task, self.task_kwargs))
-        _integer("n_synthetic", self.n_synthetic, 1)
+        check_int("n_synthetic", self.n_synthetic, 1)
         _optional_string("tokenizer", self.tokenizer)
-        _integer("vocab_size", self.vocab_size, MIN_VOCAB_SIZE)
+        check_int("vocab_size", self.vocab_size, MIN_VOCAB_SIZE)
         _optional_string("cache_dir", self.cache_dir)
-        _integer("seq_len", self.seq_len, 2)
+        check_int("seq_len", self.seq_len, 2)
         if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or not (
                 0 <= self.eval_fraction < 1):
             raise ValueError(f"eval_fraction must be a number in [0, 1), got eval_fraction={self.eval_fraction!r}")
@@ -99,9 +100,9 @@ class DataConfig:
             raise ValueError(f"streaming=True reads files: source must be one of {', '.join(FILE_SOURCES)}, got "
                              f"source={self.source!r}")
         _choice("shard_by", self.shard_by, SHARD_BY)
-        _integer("shuffle_window", self.shuffle_window, 0)
-        _integer("interleave", self.interleave, 1)
-        _integer("prefetch", self.prefetch, 0)
+        check_int("shuffle_window", self.shuffle_window, 0)
+        check_int("interleave", self.interleave, 1)
+        check_int("prefetch", self.prefetch, 0)
         if not self.streaming:
             changed = [f"{k}={getattr(self, k)!r}" for k, v in STREAMING_DEFAULTS.items() if getattr(self, k) != v]
             if changed:
@@ -121,11 +122,6 @@ def _string(name, value):
 def _optional_string(name, value):
     if value is not None:
         _string(name, value)
-
-
-def _integer(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
 
 
 def _paths(paths, name: str = "paths") -> tuple[str, ...]:

@@ -28,7 +28,6 @@ Example:
 """
 
 import functools
-import numbers
 from typing import Callable
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax._validation import check_int
 from focal_jax.nn.attention import check_decodable
 from focal_jax.nn.generate import init_cache
 from focal_jax.nn.models import attention_layers, check_model
@@ -57,11 +57,6 @@ def _bucket_floor(n: int) -> int:
         return 1
     step = 1 << (n.bit_length() - 3)
     return n // step * step
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
 
 
 def _check_prompts(prompts, vocab_size):
@@ -249,10 +244,10 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
     check_model(model)
     vocab_size = model.config.vocab_size
     prompts = _check_prompts(prompts, vocab_size)
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    _check_int("batch_size", batch_size, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("batch_size", batch_size, 1)
     if eos_id is not None:
-        _check_int("eos_id", eos_id, 0)
+        check_int("eos_id", eos_id, 0)
         if eos_id >= vocab_size:
             raise ValueError(f"eos_id={eos_id} is outside the model's vocabulary [0, {vocab_size})")
     if stop is not None and not callable(stop):

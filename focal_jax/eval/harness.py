@@ -28,7 +28,6 @@ How to run the papers' tasks: `focal_jax/eval/HARNESS.md`.
 import argparse
 import functools
 import json
-import numbers
 import os
 
 import jax
@@ -46,6 +45,7 @@ except ModuleNotFoundError as error:
                               "pip install 'focal_jax[eval]' (or pip install lm_eval)", name="lm_eval") from None
 from tqdm import tqdm
 
+from focal_jax._validation import check_int
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
@@ -53,12 +53,6 @@ from focal_jax.nn.models import check_model
 
 DEFAULT_MAX_LENGTH = 2048  # for a Llama without a run config (as lm_eval's Hugging Face model)
 MIN_BUCKET = 16  # shortest padded row length; rows are padded to powers of two so few shapes compile
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
-    return int(value)
 
 
 def score_window(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], list[int]]:
@@ -135,7 +129,7 @@ def generation_settings(gen_kwargs: dict, default_max_gen_toks: int) -> tuple[li
     until = [until] if isinstance(until, str) else list(until)
     if not all(isinstance(s, str) and s for s in until):
         raise ValueError(f"until must be a non-empty string or a list of them, got until={gen_kwargs['until']!r}")
-    max_gen_toks = _check_int("max_gen_toks", gen_kwargs.get("max_gen_toks", default_max_gen_toks), 1)
+    max_gen_toks = check_int("max_gen_toks", gen_kwargs.get("max_gen_toks", default_max_gen_toks), 1)
     return until, max_gen_toks
 
 
@@ -179,14 +173,14 @@ class FocalJaxLM(TemplateLM):
         n_positions = model.config.n_positions if isinstance(model, GPT2) else None
         if max_length is None:
             max_length = n_positions or DEFAULT_MAX_LENGTH
-        _check_int("max_length", max_length, 2)
+        check_int("max_length", max_length, 2)
         if n_positions is not None and max_length > n_positions:
             raise ValueError(f"max_length={max_length} exceeds the model's n_positions={n_positions}")
         self.model = model
         self.tokenizer = tokenizer
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
         self._max_length = int(max_length)
-        self._max_gen_toks = _check_int("max_gen_toks", max_gen_toks, 1)
+        self._max_gen_toks = check_int("max_gen_toks", max_gen_toks, 1)
         self.add_bos_token = add_bos_token
 
     @classmethod

@@ -92,6 +92,7 @@ from typing import Callable
 
 import numpy as np
 
+from focal_jax._validation import check_int
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
@@ -412,14 +413,9 @@ def resolve_datasets(names) -> list[Dataset]:
     return out
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
-
-
 def _length_index(length: int) -> int:
     """Index into `HELMET_LENGTHS` of the smallest HELMET length >= `length`."""
-    _check_int("length", length, 1)
+    check_int("length", length, 1)
     for i, helmet_length in enumerate(HELMET_LENGTHS):
         if length <= helmet_length:
             return i
@@ -755,7 +751,7 @@ def load_examples(dataset, data_dir: str, length: int, *, n: int | None = None, 
     if not isinstance(dataset, Dataset):
         dataset = resolve_dataset(dataset)
     if n is not None:
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
     if dataset.kind == "icl":
         train = data_file(dataset, data_dir, length, os.path.join(dataset.test_files[0], "train.jsonl"))
         return _load_icl(dataset, os.path.dirname(train), length, n, seed)
@@ -902,7 +898,7 @@ def build_prompt(example: Example, tokenizer, budget: int, fit: str = "drop") ->
     """
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got fit={fit!r}")
-    _check_int("budget", budget, 1)
+    check_int("budget", budget, 1)
     start = _start_id(tokenizer)
 
     def encode(text):
@@ -1040,10 +1036,10 @@ def evaluate(model, tokenizer, data_dir: str, *, datasets=DEFAULT_GROUPS, length
     specs = resolve_datasets(datasets)
     _check_lengths(lengths)
     if n is not None:
-        _check_int("n", n, 1)
+        check_int("n", n, 1)
     if fit not in FITS:
         raise ValueError(f"fit must be one of {FITS}, got fit={fit!r}")
-    _check_int("batch_size", batch_size, 1)
+    check_int("batch_size", batch_size, 1)
     n_positions = getattr(getattr(model, "config", None), "n_positions", None)
     if n_positions is not None and max(lengths) > n_positions:
         raise ValueError(f"length={max(lengths)} exceeds the model's n_positions={n_positions} (GPT-2's learned "
@@ -1184,7 +1180,7 @@ def main(argv=None) -> dict:
         specs = resolve_datasets(args.datasets)
         _check_lengths(args.lengths)
         if args.n is not None:
-            _check_int("n", args.n, 1)
+            check_int("n", args.n, 1)
         check_data(specs, data_dir, args.lengths)
         model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
                                                    rope_ntk_factor=args.rope_ntk_factor, name="helmet")

@@ -37,6 +37,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from focal_jax._validation import check_int
 from focal_jax.data.synthetic import Example, make_examples, score
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
@@ -75,11 +76,6 @@ class Sample:
     example: Example
     knob: int
     tokens: list
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
 
 
 def _check_task(task):
@@ -137,8 +133,8 @@ def length_matched(task: str, tokenizer, length: int, n: int, seed: int) -> list
     naming `length` when even the smallest knob does not fit.
     """
     _check_task(task)
-    _check_int("length", length, 1)
-    _check_int("n", n, 1)
+    check_int("length", length, 1)
+    check_int("n", n, 1)
     spec = TASKS[task]
     samples, start = [], spec.smallest
     for i in range(n):
@@ -187,8 +183,8 @@ def recall_suite(model, tokenizer, *, tasks=tuple(TASKS), lengths=DEFAULT_LENGTH
     if isinstance(lengths, (str, numbers.Number)) or not lengths:
         raise ValueError(f"lengths must be a non-empty list of integers >= 1, got lengths={lengths!r}")
     for length in lengths:
-        _check_int("length", length, 1)
-    _check_int("n_examples", n_examples, 1)
+        check_int("length", length, 1)
+    check_int("n_examples", n_examples, 1)
     n_positions = getattr(model.config, "n_positions", None)
     if n_positions is not None and max(lengths) >= n_positions:
         raise ValueError(f"length={max(lengths)} leaves no room to generate within the model's "

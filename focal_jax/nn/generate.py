@@ -35,13 +35,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._validation import check_int
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import attention_layers, check_model
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
 
 
 def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
@@ -51,8 +47,8 @@ def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
     decode (non-causal or soft Focus), naming the setting, or when `max_len` exceeds GPT-2's `n_positions`.
     """
     layers = attention_layers(model)
-    _check_int("batch_size", batch_size, 1)
-    _check_int("max_len", max_len, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("max_len", max_len, 1)
     if isinstance(model, GPT2) and max_len > model.config.n_positions:
         raise ValueError(f"max_len={max_len} exceeds the model's n_positions={model.config.n_positions}")
     if dtype is None:
@@ -148,7 +144,7 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
     if prompt.size and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab_size):  # (in the jit: NaN logits)
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got values from {int(prompt.min())} to "
                          f"{int(prompt.max())}")
-    _check_int("max_new_tokens", max_new_tokens, 1)
+    check_int("max_new_tokens", max_new_tokens, 1)
     _check_sampling(temperature, top_p)
     if temperature > 0 and rng is None:
         raise ValueError(f"rng (a jax.random key or an integer seed) is required when sampling "

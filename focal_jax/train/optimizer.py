@@ -13,18 +13,14 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
+from focal_jax._validation import is_integer
 from focal_jax.nn.variables import Centroid, LoRA, Temperature
 
 TRAINABLE_TYPES = {"all": nnx.Param, "centroids": Centroid, "temperature": Temperature,
                    "centroids+temperature": (Centroid, Temperature), "lora": LoRA}
-
-
-def _is_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +56,9 @@ class OptimConfig:
                 raise ValueError(f"optim.{name} must be in [0, 1), got {name}={getattr(self, name)!r}")
         if not 0 <= self.weight_decay < math.inf:
             raise ValueError(f"optim.weight_decay must be a finite number >= 0, got weight_decay={self.weight_decay!r}")
-        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+        if not is_integer(self.warmup_steps) or self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be an integer >= 0, got warmup_steps={self.warmup_steps!r}")
-        if self.decay_steps is not None and (not _is_int(self.decay_steps) or self.decay_steps < 1):
+        if self.decay_steps is not None and (not is_integer(self.decay_steps) or self.decay_steps < 1):
             raise ValueError(f"optim.decay_steps must be None or an integer >= 1, got "
                              f"decay_steps={self.decay_steps!r}")
         if self.clip is not None and not self.clip > 0:
