@@ -168,13 +168,12 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     defaults = default_config()
     _check_keys("", config.keys(), defaults.keys())
     merged = {k: config.get(k, defaults[k]) for k in defaults.keys()}
-    for name in ("total_steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints"):
-        value, least = merged[name], 0 if name == "total_steps" else 1  # 0 steps: a zero-shot baseline
+    for name in ("total_steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints",
+                 "eval_batches"):
+        # 0 steps: a zero-shot baseline; 0 eval batches: no evaluation
+        value, least = merged[name], 0 if name in ("total_steps", "eval_batches") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {name}={value!r}")
-    if (isinstance(merged["eval_batches"], bool) or not isinstance(merged["eval_batches"], int)
-            or merged["eval_batches"] < 0):
-        raise ValueError(f"eval_batches must be an integer >= 0, got eval_batches={merged['eval_batches']!r}")
     for name in ("compute_dtype", "param_dtype"):
         if merged[name] not in DTYPES:
             raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
