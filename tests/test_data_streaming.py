@@ -43,8 +43,8 @@ def check_raises(fn, *needles, error=ValueError):
 
 def write_corpus(directory, docs, fmt, n_files=3):
     """`docs` in `n_files` files of format `fmt` (text: one file per document), in order; returns the glob.
-    jsonl files also get blank lines and an empty document, parquet files nulls and row groups of 5 rows: none is a
-    document."""
+    jsonl files also get blank lines, an empty document and a null one, parquet files nulls and row groups of 5 rows:
+    none is a document."""
     os.makedirs(directory, exist_ok=True)
     if fmt == "text":
         for i, doc in enumerate(docs):
@@ -60,7 +60,7 @@ def write_corpus(directory, docs, fmt, n_files=3):
                 for i, doc in enumerate(part):
                     out.write(json.dumps({"text": doc, "id": i}) + "\n")
                     if i % 7 == 3:
-                        out.write("\n" + json.dumps({"text": ""}) + "\n")
+                        out.write("\n" + json.dumps({"text": ""}) + "\n" + json.dumps({"text": None}) + "\n")
         elif fmt == "parquet":
             pq.write_table(pa.table({"text": part[:2] + [None] + part[2:]}), path, row_group_size=5)
         else:
@@ -391,6 +391,9 @@ def test_stream_errors(tmp_path, tokenizer_path, cache_dir):
     (bad / "s.jsonl").write_text('{"text": "fine"}\n{"text": "half an emoji \\ud83d"}\n')  # valid JSON, not text
     it = train_iterator(build(config(str(bad / "s.jsonl"), None, tokenizer=tokenizer_path, eval_fraction=0.0)))
     check_raises(lambda: next(it), str(bad / "s.jsonl"), "line 2", "unpaired surrogate")
+    (bad / "n.jsonl").write_text('{"text": "fine"}\n{"text": null}\n{"text": 7}\n')  # null: no document; 7: refused
+    it = train_iterator(build(config(str(bad / "n.jsonl"), None, tokenizer=tokenizer_path, eval_fraction=0.0)))
+    check_raises(lambda: next(it), str(bad / "n.jsonl"), "line 3", "field 'text' must be a string, got int")
     (bad / "z.array_record").write_bytes(b"not an array record file" * 40)
     check_raises(lambda: build(config(str(bad / "z.array_record"), None, tokenizer=tokenizer_path)),
                  str(bad / "z.array_record"), "not a readable ArrayRecord file")

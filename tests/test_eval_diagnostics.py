@@ -17,6 +17,7 @@ from focal_jax.eval.diagnostics import (Run, attention_view, diagnose, format_en
                                         format_top_tokens, forward, group_stats, long_range_affinity, main,
                                         routing_metrics, top_tokens)
 from focal_jax.nn.attention import record_attention
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 
 from test_eval_perplexity import jit_init, segments_and_padding
@@ -213,6 +214,10 @@ def test_bad_arguments_name_the_value():
         diagnose(dense, [])
     with pytest.raises(ValueError, match=r"batch\['inputs'\] must have shape \[batch, seq\]"):
         diagnose(dense, [{"inputs": np.ones(5, np.int32)}])
+    gpt2 = nnx.eval_shape(lambda: GPT2(GPT2Config(vocab_size=VOCAB, n_positions=8, d_model=8, n_layers=1,
+                                                  n_heads=2), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"position 8, outside .*\[0, n_positions=8\)"):  # else NaN statistics
+        diagnose(gpt2, [{"inputs": np.ones((1, 9), np.int32), "segment_ids": np.ones((1, 9), np.int32)}])
 
 
 def test_command_line_prints_and_writes_the_tables(tmp_path, capsys, monkeypatch):

@@ -293,12 +293,46 @@ def test_helpers_and_bad_input(model, tokenizer):
         lm.loglikelihood(requests(("a", " " + SENTENCES[0])), disable_tqdm=True)
 
 
-def test_command_line_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+@pytest.fixture
+def local_task(tmp_path, monkeypatch):
+    """The path of a task YAML file in its own directory, `tmp_path/tasks`; lm_eval's TaskManager indexes only
+    `--include_path`'s tasks (its 14,000 built-in ones take 20 s or more)."""
+    import functools
+
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", functools.partial(TaskManager, include_defaults=False))
+    (tmp_path / "tasks").mkdir()
+    yaml = tmp_path / "tasks" / "focal_jax_qa.yaml"
+    yaml.write_text("task: focal_jax_qa\ndataset_path: json\noutput_type: multiple_choice\n")
+    return yaml
+
+
+def test_command_line_refuses_a_directory_that_is_not_a_run(tmp_path, local_task, capsys):
     from focal_jax.eval import harness
 
     with pytest.raises(SystemExit) as info:  # a usage error, not a FileNotFoundError traceback
-        harness.main(["--workdir", str(tmp_path), "--tasks", "arc_easy"])
+        harness.main(["--workdir", str(tmp_path), "--tasks", "focal_jax_qa", "--include_path", str(local_task.parent)])
     assert info.value.code == 2 and "tokenizer.model" in capsys.readouterr().err
+
+
+def test_command_line_names_an_unknown_task_before_loading_the_model(tmp_path, local_task, capsys):
+    """A misspelt task fails at once with the closest names (it used to end in lm_eval's KeyError after the model
+    loaded); a task YAML file given by path passes the check."""
+    from focal_jax.eval import harness
+
+    with pytest.raises(SystemExit) as info:
+        harness.main(["--workdir", str(tmp_path), "--tasks", f"focal_jax_qa,focal_jax_q,{local_task}",
+                      "--include_path", str(local_task.parent)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "unknown lm_eval task 'focal_jax_q'; closest: focal_jax_qa" in err, err
+    assert err.count("unknown lm_eval task") == 1 and "tokenizer.model" not in err  # the model was not loaded
+    assert harness.unknown_tasks(["focal_jax_qa", str(local_task)], ["focal_jax_qa"]) == ""
+    assert harness.unknown_tasks(["zzz"], ["arc_easy"]) == ("unknown lm_eval task 'zzz' (--include_path DIR adds a "
+                                                           "directory of task YAML files)")
+    with pytest.raises(SystemExit):
+        harness.main(["--workdir", str(tmp_path), "--tasks", ",", "--include_path", str(local_task.parent)])
+    assert "--tasks names no task: ','" in capsys.readouterr().err
 
 
 def test_generate_until_keeps_the_end_of_a_long_prompt(model, tokenizer):

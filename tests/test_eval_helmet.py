@@ -561,6 +561,8 @@ def test_errors_name_the_bad_value(data_dir, tokenizer, tmp_path):
         (lambda: helmet.evaluate(model, tokenizer, d, datasets=[]), ValueError, "at least one dataset"),
         (lambda: helmet.evaluate(model, tokenizer, d, datasets=["nq"], lengths=[4096, 200000]), ValueError,
          "length=200000 exceeds HELMET's largest length 131072"),
+        (lambda: helmet.evaluate(model, tokenizer, d, datasets=["nq"], lengths=[4096, 4096]), ValueError,
+         "lengths must be distinct, got lengths=[4096, 4096]"),
         (lambda: helmet.evaluate(model, tokenizer, d, datasets=["nq"], lengths=[0]), ValueError, "length=0"),
         (lambda: helmet.evaluate(gpt2, tokenizer, d, datasets=["nq"], lengths=[256, 1024]), ValueError,
          "length=1024 exceeds the model's n_positions=512"),

@@ -16,6 +16,7 @@ from focal_jax.eval import perplexity
 from focal_jax.eval.diagnostics import attention_configs, attention_view, forward, load_run
 from focal_jax.eval.perplexity import evaluate_model, format_table, main, pair_counts, topk_table
 from focal_jax.nn.attention import record_attention
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.train import train
 from focal_jax.train.config import default_config
@@ -187,6 +188,8 @@ def test_bad_arguments_name_the_value(model):
         pair_counts(jnp.ones((1, 4, K)), 0, window=1)
     with pytest.raises(ValueError, match=r"method=.fast."):
         pair_counts(jnp.ones((1, 4, K)), 1, window=1, method="fast")
+    with pytest.raises(ValueError, match=r"method='patterns' counts at most K=30 groups, got K=32"):  # int32 bits
+        pair_counts(jnp.ones((1, 4, 32)), 1, window=1, method="patterns")
     with pytest.raises(ValueError, match=r"lacks key\(s\) \['targets'\]"):
         evaluate_model(model, [{"inputs": batch["inputs"], "loss_mask": batch["loss_mask"]}])
     # ids outside the vocabulary: NaN logits in the jitted forward; a target scored as the logits' log-sum-exp
@@ -199,6 +202,53 @@ def test_bad_arguments_name_the_value(model):
     unscored["targets"][1, -1] = -1  # a target the loss mask leaves out may be anything
     assert unscored["loss_mask"][1, -1] == 0
     evaluate_model(model, [unscored])
+
+
+def gpt2_batch(t, positions=None, segment_ids=None):
+    """A batch of 2 random rows of `t` tokens for `tiny_gpt2`, every next token scored."""
+    tokens = np.random.default_rng(8).integers(0, VOCAB, (2, t)).astype(np.int32)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "loss_mask": np.ones((2, t), np.float32)}
+    for key, value in (("positions", positions), ("segment_ids", segment_ids)):
+        if value is not None:
+            batch[key] = np.broadcast_to(np.asarray(value, np.int32), (2, t)).copy()
+    return batch
+
+
+def tiny_gpt2(n_positions=16):
+    """A 1-layer GPT-2 with random parameters and a position table of `n_positions` rows."""
+    return jit_init(lambda: GPT2(GPT2Config(vocab_size=VOCAB, n_positions=n_positions, d_model=16, n_layers=1,
+                                            n_heads=2), rngs=nnx.Rngs(0)))
+
+
+def test_positions_past_gpt2s_position_table_are_refused():
+    """GPT-2's learned position table has n_positions rows: a position past it (given, or derived from the segment
+    ids) would be a NaN embedding in the jitted forward and a NaN loss (perplexity reported as inf); refused,
+    naming the position. Packed documents of at most n_positions tokens each, in a longer row, are evaluated."""
+    gpt2, t = tiny_gpt2(16), 20
+    one_document = np.arange(t) >= 3  # 3 padding tokens, then a document of 17 tokens at positions 0..16
+    for batch in (gpt2_batch(t, positions=np.arange(t)), gpt2_batch(t, segment_ids=one_document)):
+        with pytest.raises(ValueError, match=r"position 16, outside .*\[0, n_positions=16\)"):
+            evaluate_model(gpt2, [batch])
+    packed_docs = np.arange(t) >= 10  # two documents of 10 tokens
+    result = evaluate_model(gpt2, [gpt2_batch(t, positions=np.arange(t) % 10, segment_ids=1 + packed_docs)])
+    assert np.isfinite(result["loss"]) and result["tokens"] == 2 * t
+
+
+def test_progress_lines_end_with_the_last_batch(model, capsys):
+    """Every tenth of the batches, and the last one whatever the count (21 batches: 2, 4, ..., 20, 21)."""
+    batch = packed(np.ones((3, DOC_LEN), np.int32))
+    whole = evaluate_model(model, [batch] * 21, progress="eval")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "eval: batch" in line]
+    assert [line.split("batch ")[1].split(",")[0] for line in lines] == [f"{i}/21" for i in (*range(2, 21, 2), 21)]
+    assert f"loss so far {whole['loss']:.4f}" in lines[-1]
+
+
+def test_a_nan_loss_has_a_nan_perplexity():
+    """A model with NaN parameters (a diverged run): its perplexity is NaN, not infinite (a finite, huge loss)."""
+    gpt2 = tiny_gpt2(16)
+    nnx.update(gpt2, jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), nnx.state(gpt2, nnx.Param)))
+    result = evaluate_model(gpt2, [gpt2_batch(10)])
+    assert np.isnan(result["loss"]) and np.isnan(result["perplexity"])
 
 
 def test_rows_within_the_window_report_no_distant_share(model):

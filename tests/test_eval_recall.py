@@ -211,6 +211,8 @@ def test_recall_errors(tokenizer):
         (dict(tasks="needle"), "tasks='needle'"),
         (dict(lengths=[128, 0]), "length=0"),
         (dict(lengths=[]), "lengths=[]"),
+        (dict(lengths=[64, 128, 64]), "lengths must be distinct, got lengths=[64, 128, 64]"),
+        (dict(tasks=["needle", "needle"]), "tasks must be distinct"),
         (dict(n_examples=0), "n_examples=0"),
     ]
     for kwargs, needle in cases:

@@ -163,6 +163,20 @@ def test_top_p_samples_only_the_nucleus():
     np.testing.assert_array_equal(sample_logits(logits[:2], temperature=0.0), [1, 1])
 
 
+def test_top_p_equal_to_the_mass_of_the_first_tokens_keeps_only_them():
+    """The nucleus is the fewest tokens whose mass reaches top_p, as in transformers' TopPLogitsWarper: with top_p
+    equal, to the bit, to the float32 mass of the two most probable tokens (summed as sample_logits sums it: the
+    rounding depends on the array's shape), the third is out; one float32 step above, it is in."""
+    logits = jnp.broadcast_to(jnp.log(jnp.array([0.05, 0.4, 0.1, 0.3, 0.15])), (2000, 5))
+    ordered = jnp.flip(jnp.sort(logits - jnp.max(logits, axis=-1, keepdims=True), axis=-1), axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass = np.float32((jnp.cumsum(probs, axis=-1) - probs)[0, 2])  # the mass before the third token
+    assert abs(mass - 0.7) < 1e-6
+    key = jax.random.key(1)
+    for top_p, nucleus in [(mass, {1, 3}), (np.nextafter(mass, np.float32(1)), {1, 3, 4})]:
+        assert set(np.asarray(sample_logits(logits, key, temperature=1.0, top_p=float(top_p))).tolist()) == nucleus
+
+
 def test_small_temperatures_sample_the_argmax():
     """softmax(logits / t) tends to the argmax as t -> 0: logits / 1e-37 overflowed float32 (tokens 0 and 1 both at
     +inf, token 0 drawn), and a temperature below float32's smallest normal number (flushed to 0) is refused."""

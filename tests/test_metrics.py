@@ -94,6 +94,20 @@ def test_resume_keeps_each_step_once(tmp_path):
     assert starts == [7]
 
 
+def test_a_run_with_no_checkpoint_drops_every_earlier_record(tmp_path):
+    """resume_step=-1 (a run that starts with no checkpoint to resume): whatever an earlier attempt logged goes,
+    step 0 too (a zero-shot evaluation), in metrics.jsonl and TensorBoard."""
+    with M.MetricWriter(str(tmp_path), enabled=True) as w:
+        w.write(0, {"loss": 1.0}, kind="eval")
+        w.write(1, {"loss": 2.0})
+    with M.MetricWriter(str(tmp_path), resume_step=-1, enabled=True) as w:
+        w.write(0, {"loss": 3.0}, kind="eval")
+    assert [(r["step"], r["loss"]) for r in _lines(tmp_path)] == [(0, 3.0)]
+    assert [e.step for e in _tb_events(tmp_path) if e.HasField("session_log")] == [0]
+    with pytest.raises(ValueError, match="resume_step must be >= -1, got -2"):
+        M.MetricWriter(str(tmp_path), resume_step=-2, enabled=True)
+
+
 def test_truncated_last_line(tmp_path):
     with M.MetricWriter(str(tmp_path), enabled=True) as w:
         for step in (1, 2, 3):

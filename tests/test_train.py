@@ -155,6 +155,17 @@ def test_unknown_config_keys_name_themselves():
         check_config(config)
 
 
+def test_mesh_sizes_must_be_integers():
+    """A mesh size that is not an integer was cut by int() (2.5 -> 2: another mesh, silently) or failed with
+    int()'s message, which names neither the axis nor the setting."""
+    for value in (2.5, True, "x", 0, -2):
+        config = default_config()
+        config.mesh = {"data": value, "fsdp": 4, "tensor": 1}
+        with pytest.raises(ValueError, match=re.escape(f"mesh.data must be an integer >= 1 or -1 (the rest of the "
+                                                       f"devices), got mesh.data={value!r}")):
+            check_config(config)
+
+
 def test_retrofit_sections_and_adam_betas_are_checked():
     config = default_config()
     config.retrofit.focal = {}  # Focal with its defaults (it used to be dropped: no retrofit at all)
@@ -339,6 +350,77 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache_dir):
     assert evals == [r["loss"] for r in read_metrics(resumed, kind="eval")] and len(evals) == 2
     assert os.path.getsize(os.path.join(resumed, "loss.png")) > 1000
     assert glob.glob(os.path.join(resumed, "tb", "events.*"))
+
+
+def test_a_crash_right_after_a_checkpoint_keeps_it(tmp_path, cache_dir, monkeypatch):
+    """An exception in the loop (here the data failing as step 3 starts) right after a checkpoint began (step 2,
+    written asynchronously) used to leave that checkpoint unfinished (a temporary directory, abandoned when the
+    process exits), so the run resumed from the one before it; train now waits for it before the error goes up."""
+    config = tiny(cache_dir, total_steps=4, ckpt_every=2)
+    straight, crashed = str(tmp_path / "straight"), str(tmp_path / "crashed")
+    train(config, straight)
+    shard_batch, calls = trainer.shard_batch, []
+
+    def failing(batch, mesh):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("the data file system went away")
+        return shard_batch(batch, mesh)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "shard_batch", failing)
+        with pytest.raises(OSError, match="went away"):
+            train(config, crashed)
+        assert checkpoint.saved_steps(crashed) == [2]  # at once, as the error reaches the caller
+    train(config, crashed)
+    assert losses(crashed) == losses(straight) and sorted(losses(crashed)) == [1, 2, 3, 4]
+
+
+def test_a_zero_step_run_killed_before_its_checkpoint_logs_its_evaluation_once(tmp_path, cache_dir, monkeypatch):
+    """A zero-shot run (total_steps=0) killed while saving its step 0 had logged its evaluation; started again with
+    no checkpoint to resume, it kept that record (the records of steps <= 0 stayed) and logged a second one."""
+    config = tiny(cache_dir, total_steps=0, eval_batches=1)
+    workdir = str(tmp_path / "zero")
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed during the save")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "save", killed)
+        with pytest.raises(RuntimeError, match="killed during the save"):
+            train(config, workdir)
+    assert latest_step(workdir) is None and [r["step"] for r in read_metrics(workdir, kind="eval")] == [0]
+    train(config, workdir)
+    assert latest_step(workdir) == 0 and [r["step"] for r in read_metrics(workdir)] == [0]
+
+
+def test_a_schedule_changed_after_the_resume_step_is_noted(capsys):
+    """The note compared the two schedules at the resumed step only: total_steps raised during the warmup (the same
+    rate there) went unnoted, though the cosine after the warmup is stretched (step 7 on)."""
+    def config(total_steps):
+        c = default_config()
+        c.update(total_steps=total_steps)
+        c.optim.warmup_steps = 5
+        return c
+
+    trainer.warn_if_schedule_changed(checkpoint.config_json(config(10)), check_config(config(20)), 2)
+    out = capsys.readouterr().out
+    assert "learning-rate schedule changed on resume (total_steps 10 -> 20, optim.decay_steps None -> None): step 7 " \
+           "trains at lr" in out and "--config.optim.decay_steps=10" in out
+    trainer.warn_if_schedule_changed(checkpoint.config_json(config(10)), check_config(config(10)), 2)
+    assert "schedule changed" not in capsys.readouterr().out
+
+
+def test_sequences_longer_than_gpt2_positions_are_refused(tmp_path, cache_dir):
+    """A GPT-2 with n_positions=32 trained on 64-token sequences: positions past its learned table were clamped by
+    the lookup (all read its last row), and the run trained silently."""
+    config = tiny(cache_dir, total_steps=1)
+    config.model = {"family": "gpt2", "vocab_size": 512, "n_positions": 32, "d_model": 64, "n_layers": 2,
+                    "n_heads": 4}
+    workdir = str(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"data.seq_len=64 is longer than the model's n_positions=32"):
+        train(config, workdir)
+    assert latest_step(workdir) is None
 
 
 def test_resume_refuses_data_that_changed(tmp_path, cache_dir):

@@ -89,8 +89,8 @@ def iter_records(path: str, source: str, field: str, *, start_record: int = 0, s
 
     A record is one document slot of the file: the whole file ('text'), a line ('jsonl', blank lines included),
     a row ('parquet'), a record ('array_record'); `record` counts them from 0. `text` is the document, or None for
-    a record without one (a blank jsonl line, a null parquet value, or a record `wanted(record)` rejects: it is
-    then not decoded). `start_byte` / `end_byte` are the record's byte offsets in a jsonl file (0 for the other
+    a record without one (a blank jsonl line, a null jsonl or parquet value, or a record `wanted(record)` rejects:
+    it is then not decoded). `start_byte` / `end_byte` are the record's byte offsets in a jsonl file (0 for the other
     formats). Reading starts at record `start_record` (jsonl: at byte `start_byte`, which must be the start of that
     record's line, as an earlier `end_byte` is).
 
@@ -135,7 +135,7 @@ def _read_jsonl(path, field, start_record, start_byte, wanted):
 
 
 def _jsonl_text(path: str, number: int, line: bytes, field: str) -> str | None:
-    """The document of jsonl line `number` (1-based), None for a blank line."""
+    """The document of jsonl line `number` (1-based), None for a blank line or a null `field`."""
     try:
         line = line.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM may start the file
     except UnicodeDecodeError as e:
@@ -149,6 +149,8 @@ def _jsonl_text(path: str, number: int, line: bytes, field: str) -> str | None:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f"{path}, line {number}: no field {field!r} (has {keys})")
+    if record[field] is None:  # as a null parquet value
+        return None
     if not isinstance(record[field], str):
         raise ValueError(f"{path}, line {number}: field {field!r} must be a string, got "
                          f"{type(record[field]).__name__}")

@@ -35,6 +35,7 @@ from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
+from focal_jax.nn.llama import segment_positions
 from focal_jax.nn.models import attention_layers, check_model
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint
@@ -118,11 +119,14 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
                trained_seq_len=trained, step=step)
 
 
-def check_batch(batch, required=("inputs",), vocab_size: int | None = None):
+def check_batch(batch, required=("inputs",), vocab_size: int | None = None, n_positions: int | None = None):
     """Checks a batch dict (the trainer's format: `inputs`, `targets` int `[B, T]`, `loss_mask [B, T]`, optional
-    `positions`, `segment_ids` int `[B, T]`); raises ValueError naming a missing key, a wrong shape, or (given
+    `positions`, `segment_ids` int `[B, T]`); raises ValueError naming a missing key, a wrong shape, (given
     `vocab_size`) an input or scored target id outside `[0, vocab_size)` (in a jitted forward an input gives NaN
-    logits; a target would be scored as the log-sum-exp of the logits)."""
+    logits; a target would be scored as the log-sum-exp of the logits), or (given `n_positions`, GPT-2's learned
+    position table) a position outside `[0, n_positions)`: the batch's `positions`, else those the model derives
+    (restarting at each segment, else `0..T-1`); in a jitted forward such a position gives NaN logits, which reach
+    every loss through padding too."""
     if not isinstance(batch, dict):
         raise ValueError(f"a batch must be a dict of [batch, seq] arrays, got {type(batch).__name__}")
     missing = [k for k in required if k not in batch]
@@ -146,6 +150,17 @@ def check_batch(batch, required=("inputs",), vocab_size: int | None = None):
             if bad.size:
                 raise ValueError(f"batch[{key!r}] holds token id {int(bad[0])}, outside the model's vocabulary "
                                  f"[0, {vocab_size})")
+    if n_positions is not None:
+        positions = batch.get("positions")
+        if positions is None:
+            positions = (np.arange(shape[1]) if batch.get("segment_ids") is None
+                         else segment_positions(jnp.asarray(batch["segment_ids"])))
+        positions = np.asarray(positions)
+        bad = positions[(positions < 0) | (positions >= n_positions)]
+        if bad.size:
+            raise ValueError(f"the batch holds position {int(bad[0])}, outside the model's learned position table "
+                             f"[0, n_positions={n_positions}): use rows (or documents) of at most {n_positions} "
+                             f"tokens")
 
 
 def real_tokens(batch) -> jax.Array:
@@ -417,7 +432,8 @@ def diagnose(model, batches, *, top: int = 8, entropy: bool = True, progress: bo
     vocab_size = view.config.vocab_size if is_focus(view) else None
     total, start = None, time.perf_counter()
     for i, batch in enumerate(batches):
-        check_batch(batch, vocab_size=view.config.vocab_size)
+        check_batch(batch, vocab_size=view.config.vocab_size,
+                    n_positions=getattr(view.config, "n_positions", None))
         sums = jax.device_get(_batch_sums(graphdef, state, dict(batch), entropy=entropy, vocab_size=vocab_size))
         total = _add(total, sums)
         if progress:
@@ -460,7 +476,7 @@ def routing_metrics(model, batch) -> dict[str, float]:
     if not is_focus(model):
         kinds = sorted({c.kind for c in attention_configs(model)})
         raise ValueError(f"routing_metrics needs a Focus model (kind 'focus' or 'focal+focus'), got kind {kinds}")
-    check_batch(batch, vocab_size=model.config.vocab_size)
+    check_batch(batch, vocab_size=model.config.vocab_size, n_positions=getattr(model.config, "n_positions", None))
     graphdef, state = nnx.split(attention_view(model))
     sums = jax.device_get(_routing_only(graphdef, state, dict(batch)))
     if not sums["tokens"].any():

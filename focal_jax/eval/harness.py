@@ -337,6 +337,20 @@ class FocalJaxLM(TemplateLM):
 
 
 # ---------------------------------------------------------------------- command line
+def unknown_tasks(tasks: list[str], registered: list[str]) -> str:
+    """A message naming each of `tasks` that is neither a `registered` lm_eval name (task, group or tag) nor a task
+    YAML file, with the registered names closest to it; '' when every one is known."""
+    import difflib
+
+    lines = []
+    for task in tasks:
+        if task not in registered and not os.path.isfile(os.path.expanduser(task)):
+            close = difflib.get_close_matches(task, registered, n=3)
+            lines.append(f"unknown lm_eval task {task!r}" + (f"; closest: {', '.join(close)}" if close else "")
+                         + " (--include_path DIR adds a directory of task YAML files)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     """`python -m focal_jax.eval.harness (--workdir DIR [--step S] | --hf DIR) --tasks T1,T2 [--num_fewshot N]
     [--batch_size 8] [--max_length L] [--limit N] [--include_path DIR] [--output FILE]`: evaluate a focal_jax run
@@ -363,6 +377,11 @@ def main(argv=None) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    task_manager = TaskManager(include_path=args.include_path)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = unknown_tasks(tasks, task_manager.all_tasks)
+    if unknown or not tasks:
+        parser.error(unknown or f"--tasks names no task: {args.tasks!r}")
     options = dict(batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks)
     try:
         if args.workdir:
@@ -376,10 +395,9 @@ def main(argv=None) -> dict:
     print(f"focal_jax: evaluating {type(lm.model).__name__} (max_length {lm.max_length}, batch {lm.batch_size}) "
           f"on {args.tasks}", flush=True)
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=[t for t in args.tasks.split(",") if t], num_fewshot=args.num_fewshot,
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
         limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-        bootstrap_iters=args.bootstrap_iters, log_samples=False,
-        task_manager=TaskManager(include_path=args.include_path))
+        bootstrap_iters=args.bootstrap_iters, log_samples=False, task_manager=task_manager)
     print(lm_utils.make_table(results))
     if args.output:
         with open(args.output, "w") as f:

@@ -978,6 +978,8 @@ def _check_lengths(lengths):
         raise ValueError(f"lengths must be a non-empty list of integers >= 1, got lengths={lengths!r}")
     for length in lengths:
         _length_index(length)
+    if len(set(lengths)) < len(lengths):  # its rows would count twice in the group means
+        raise ValueError(f"lengths must be distinct, got lengths={list(lengths)}")
 
 
 def check_data(datasets, data_dir: str, lengths) -> None:

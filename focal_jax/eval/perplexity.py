@@ -85,6 +85,8 @@ def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, method:
     membership = topk_membership(g, int(k))
     if method == "auto":
         method = "patterns" if n_groups <= 30 and math.comb(n_groups, k) <= MAX_PATTERNS else "blocks"
+    if method == "patterns" and n_groups > 30:  # its patterns are int32 bitmasks of the groups
+        raise ValueError(f"method='patterns' counts at most K=30 groups, got K={n_groups}: use 'blocks' or 'auto'")
     if method == "patterns":
         distant_shared = _shared_by_patterns(membership, int(k), keys, window, segment_ids)
     else:
@@ -185,7 +187,8 @@ def evaluate_model(model, batches, *, pair_method: str = "auto", progress: str |
     n_batches = len(batches) if hasattr(batches, "__len__") else None
     every, start = max(1, (n_batches or 10) // 10), time.perf_counter()
     for i, batch in enumerate(batches):
-        check_batch(batch, required=("inputs", "targets", "loss_mask"), vocab_size=model.config.vocab_size)
+        check_batch(batch, required=("inputs", "targets", "loss_mask"), vocab_size=model.config.vocab_size,
+                    n_positions=getattr(model.config, "n_positions", None))
         out = jax.device_get(_eval_batch(graphdef, state, dict(batch), pair_method=pair_method))
         nll, tokens = nll + float(out["nll"]), tokens + float(out["tokens"])
         if "group_counts" in out:
@@ -194,13 +197,13 @@ def evaluate_model(model, batches, *, pair_method: str = "auto", progress: str |
         if "pairs" in out:
             sums = {name: np.asarray(v, np.int64).sum(axis=(1, 2)) for name, v in out["pairs"].items()}  # [L]
             pairs = sums if pairs is None else {name: pairs[name] + sums[name] for name in sums}
-        if progress and (i + 1) % every == 0:
+        if progress and ((i + 1) % every == 0 or i + 1 == n_batches):
             print(f"  {progress}: batch {i + 1}{'' if n_batches is None else f'/{n_batches}'}, loss so far "
                   f"{nll / max(tokens, 1.0):.4f} ({time.perf_counter() - start:.1f}s)", flush=True)
     if not tokens:
         raise ValueError("the batches hold no target tokens (loss_mask is 0 everywhere, or there are no batches)")
     loss = nll / tokens
-    result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf, "tokens": int(tokens)}
+    result = {"loss": loss, "perplexity": math.inf if loss >= 700 else math.exp(loss), "tokens": int(tokens)}
     if group_counts is not None:
         dominance = group_counts.max(axis=1) / np.maximum(group_counts.sum(axis=1), 1)
         result.update(dominance=float(dominance.mean()), dominance_per_layer=dominance.tolist())

@@ -182,6 +182,10 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         raise ValueError(f"balance_weight must be a finite number >= 0, got balance_weight={weight!r}")
     mesh = _as_dict(merged["mesh"])
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
+    for axis, size in mesh.items():
+        if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
+            raise ValueError(f"mesh.{axis} must be an integer >= 1 or -1 (the rest of the devices), got "
+                             f"mesh.{axis}={size!r}")
     retrofit_section = _as_dict(merged["retrofit"])
     _check_keys("retrofit.", retrofit_section, ("focus", "focal", "lora", "window"))
     retrofit = []

@@ -70,8 +70,9 @@ class MetricWriter:
       workdir: run directory (created if missing).
       resume_step: the step of the checkpoint a run resumes from. Records with step > resume_step (logged by the
         killed run after its last checkpoint, and about to be redone) are removed from metrics.jsonl (atomic
-        rewrite), and TensorBoard is told to purge them too (``purge_step``), so each step appears once. A
-        half-written last line (a killed run) is dropped in any case.
+        rewrite), and TensorBoard is told to purge them too (``purge_step``), so each step appears once; -1 for a
+        run that starts with no checkpoint to resume (every earlier record goes, step 0 too). A half-written last
+        line (a killed run) is dropped in any case.
       enabled: whether this process writes; default: only process 0 (``jax.process_index() == 0``). A disabled
         writer touches no file.
 
@@ -85,8 +86,8 @@ class MetricWriter:
         self._file = self._tb = None
         if not self.enabled:
             return
-        if resume_step is not None and int(resume_step) < 0:
-            raise ValueError(f"resume_step must be >= 0, got {resume_step}")
+        if resume_step is not None and int(resume_step) < -1:
+            raise ValueError(f"resume_step must be >= -1, got {resume_step}")
         os.makedirs(workdir, exist_ok=True)
         if os.path.exists(self.path) and (resume_step is not None or not _ends_with_newline(self.path)):
             # Drop the redone steps, and a half-written last line that the next append would run into.

@@ -5,6 +5,7 @@ The step is `nnx.split` -> `jax.value_and_grad` -> `jax.jit` on pure pytrees (th
 dict, the frozen ones as another), with `nnx.merge` inside the loss, so NNX API changes cannot reach it.
 """
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -293,13 +294,16 @@ def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
     stored_config = with_defaults(stored_config)  # (a config may leave keys at their defaults)
     stored_total = stored_config["total_steps"]
     stored_optim = dataclasses.replace(run.optim, decay_steps=stored_config["optim"]["decay_steps"])
-    before = float(learning_rate_schedule(stored_optim, stored_total)(step))
-    now = float(learning_rate_schedule(run.optim, run.total_steps)(step))
-    if not np.isclose(before, now, rtol=1e-6, atol=0.0):
+    counts = np.arange(step, max(run.total_steps, step + 1))  # the updates still to run (the schedule's counts)
+    before = np.asarray(learning_rate_schedule(stored_optim, stored_total)(counts))
+    now = np.asarray(learning_rate_schedule(run.optim, run.total_steps)(counts))
+    changed = np.flatnonzero(~np.isclose(before, now, rtol=1e-6, atol=0.0))
+    if changed.size:
+        i = changed[0]
         log(f"note: the learning-rate schedule changed on resume (total_steps {stored_total} -> {run.total_steps}, "
-            f"optim.decay_steps {stored_optim.decay_steps} -> {run.optim.decay_steps}): step {step + 1} trains at lr "
-            f"{now:.3g} where the stored run would have used {before:.3g}. To extend a run on its old decay, set "
-            f"--config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
+            f"optim.decay_steps {stored_optim.decay_steps} -> {run.optim.decay_steps}): step {counts[i] + 1} trains "
+            f"at lr {now[i]:.3g} where the stored run would have used {before[i]:.3g}. To extend a run on its old "
+            f"decay, set --config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
 
 
 def data_fingerprint(data) -> dict | None:
@@ -363,6 +367,16 @@ class StopSignal:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+@contextlib.contextmanager
+def saves_finished(manager):
+    """Wait for the checkpoint being written when the block ends, also by an exception: saving is asynchronous, and
+    a crash just after a save would leave that checkpoint unfinished (the run would resume from the one before)."""
+    try:
+        yield
+    finally:
+        manager.wait_until_finished()
+
+
 def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     """Train as `config` (an `ml_collections.ConfigDict`, see `focal_jax.train.config`) says, in `workdir`.
 
@@ -408,6 +422,11 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     if vocab < data.tokenizer.vocab_size:
         raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
                          f"set model.vocab_size or data.vocab_size")
+    n_positions = getattr(model.config, "n_positions", None)  # GPT-2's learned position table (a lookup clamps)
+    if n_positions is not None and run.data.seq_len > n_positions:
+        raise ValueError(f"data.seq_len={run.data.seq_len} is longer than the model's n_positions={n_positions} "
+                         f"(GPT-2's learned position table; positions past it would all read its last row): set "
+                         f"data.seq_len <= {n_positions}")
     kinds = sorted({attn.config.kind for attn in attention_layers(model)})
     if run.balance_weight > 0 and not set(kinds) & set(FOCUS_KINDS):
         raise ValueError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
@@ -476,11 +495,12 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     # ---------------------------------------------------------------- Loop
     os.makedirs(workdir, exist_ok=True)
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints)
-    writer = MetricWriter(workdir, resume_step=start_step)
+    # (no checkpoint: the records an earlier attempt logged go, a zero-shot evaluation at step 0 too)
+    writer = MetricWriter(workdir, resume_step=-1 if resume_step is None else start_step)
     progress = Progress(run.total_steps, initial_step=start_step)
     logged, last_time, last_step = [], time.perf_counter(), start_step
     # The mesh context lets the Pallas kernels run per shard (`focal_jax.kernels.partition`); the steps trace here.
-    with StopSignal(install=jax.process_count() == 1) as stop, jax.set_mesh(mesh):
+    with StopSignal(install=jax.process_count() == 1) as stop, jax.set_mesh(mesh), saves_finished(manager):
         if run.total_steps == 0 and resume_step is None:  # a zero-shot baseline: the starting model, evaluated, saved
             if eval_batches:
                 writer.write(0, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
@@ -517,7 +537,6 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 log(f"stopping at step {step} ({'SIGTERM' if preempted else 'requested'}); checkpoint saved")
                 break
     # ---------------------------------------------------------------- Finish
-    manager.wait_until_finished()
     manager.close()
     progress.close()
     writer.close()
