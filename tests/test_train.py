@@ -185,6 +185,9 @@ def test_retrofit_sections_and_adam_betas_are_checked():
         config.optim[name] = bad
         with pytest.raises(ValueError, match=rf"optim.{name} must be a finite number .*, got {name}={bad}"):
             check_config(config)
+    for name, bad in (("clip", "1.0"), ("lr", None), ("b1", True), ("weight_decay", "0")):  # a config file's typo
+        with pytest.raises(ValueError, match=re.escape(f"optim.{name} must be a number, got {name}={bad!r}")):
+            OptimConfig(**{name: bad})  # (the comparisons raised TypeError, naming neither setting nor value)
 
 
 @pytest.mark.parametrize("family, model, needle", [

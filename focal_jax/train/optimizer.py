@@ -9,6 +9,7 @@ state.
 
 import dataclasses
 import math
+import numbers
 import re
 
 import jax
@@ -45,6 +46,12 @@ class OptimConfig:
     trainable_regex: str | None = None
 
     def __post_init__(self):
+        for name in ("lr", "final_lr_fraction", "b1", "b2", "eps", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if name == "clip" and value is None:  # no clipping
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"optim.{name} must be a number, got {name}={value!r}")
         for name in ("lr", "eps"):  # lr = inf makes every parameter NaN; eps = inf every Adam update 0
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"optim.{name} must be a finite number > 0, got {name}={getattr(self, name)!r}")
