@@ -962,6 +962,12 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
     config.optim.lr_peak = 1.0
     assert_fails_cleanly(config, str(tmp_path / "c"), "unknown config key optim.lr_peak")
 
+    config = tiny(cache_dir)  # its source is 'builtin': the files would be ignored (it trained on the builtin corpus)
+    config.data.paths = (str(tmp_path / "corpus" / "*.jsonl"),)
+    assert_fails_cleanly(config, str(tmp_path / "b"), re.escape(
+        f"data.paths=['{tmp_path}/corpus/*.jsonl'] names files, but data.source='builtin' reads none: set "
+        f"data.source to the files' format (text, jsonl, parquet, array_record)"))
+
     workdir = str(tmp_path / "d")
     train(tiny(cache_dir, total_steps=1), workdir)
     with pytest.raises(ValueError, match="different config.*seed: 0 \\(stored\\) vs 1 \\(now\\)"):

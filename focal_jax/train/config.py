@@ -16,7 +16,7 @@ import typing
 import jax.numpy as jnp
 import ml_collections
 
-from focal_jax.data.config import DataConfig
+from focal_jax.data.config import FILE_SOURCES, DataConfig
 from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, unread_fields
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
@@ -160,6 +160,15 @@ def check_attention_fields(model: LlamaConfig | GPT2Config | None) -> None:
         settings = ", ".join(f"{name}={value!r} (read by kinds {FIELD_KINDS[name]})" for name, value in unread.items())
         raise ValueError(f"model attention kind={model.attention.kind!r} does not read {settings}: set the kind "
                          f"that uses them, or leave them out")
+
+
+def check_data_fields(data: DataConfig) -> None:
+    """ValueError when `data.paths` names files but `data.source` reads none ('builtin', 'synthetic'), e.g. paths
+    set and the source left at its default: the run would train on another corpus than the files named. The
+    trainer checks the runs it trains; stored runs load as they are."""
+    if data.paths and data.source not in FILE_SOURCES:
+        raise ValueError(f"data.paths={list(data.paths)} names files, but data.source={data.source!r} reads none: set "
+                         f"data.source to the files' format ({', '.join(FILE_SOURCES)}), or leave paths out")
 
 
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:

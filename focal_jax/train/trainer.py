@@ -28,8 +28,8 @@ from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
-from focal_jax.train.config import (DTYPES, RunConfig, check_attention_fields, check_config, config_differences,
-                                    with_defaults)
+from focal_jax.train.config import (DTYPES, RunConfig, check_attention_fields, check_config, check_data_fields,
+                                    config_differences, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -386,6 +386,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     # ---------------------------------------------------------------- Config, devices, workdir
     run = check_config(config)
     check_attention_fields(run.model)
+    check_data_fields(run.data)
     if "://" in workdir:
         raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
                          f"a network file system): metrics, plots and the tokenizer copy are written as local files")
