@@ -13,3 +13,9 @@ def check_int(name: str, value, minimum: int) -> int:
     if not is_integer(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
     return int(value)
+
+
+def check_distinct(name: str, values) -> None:
+    """A ValueError naming `values` (a sequence of hashables) when one of them appears twice."""
+    if len(set(values)) < len(values):
+        raise ValueError(f"{name} must be distinct, got {name}={list(values)}")

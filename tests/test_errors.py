@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from focal_jax._validation import check_int, is_integer
+from focal_jax._validation import check_distinct, check_int, is_integer
 from focal_jax.attention import (dot_product_attention, focal_attention, focus_attention, focus_mask,
                                  focus_sparse_attention, learned_temperature, routing_scores, sinkhorn,
                                  topk_membership)
@@ -246,3 +246,10 @@ def test_is_integer_takes_numpy_integers_but_no_bool():
 def test_check_int_minimum_is_inclusive():
     assert check_int("eos_id", 0, 0) == 0
     check_raises(lambda: check_int("eos_id", -1, 0), "eos_id", ">= 0")
+
+
+def test_check_distinct_names_the_repeated_values():
+    check_distinct("lengths", [64, 128])
+    check_distinct("tasks", ("needle",))
+    check_raises(lambda: check_distinct("lengths", (64, 128, 64)), "lengths",
+                 "lengths must be distinct, got lengths=[64, 128, 64]")

@@ -92,7 +92,7 @@ from typing import Callable
 
 import numpy as np
 
-from focal_jax._validation import check_int
+from focal_jax._validation import check_distinct, check_int
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
@@ -978,8 +978,7 @@ def _check_lengths(lengths):
         raise ValueError(f"lengths must be a non-empty list of integers >= 1, got lengths={lengths!r}")
     for length in lengths:
         _length_index(length)
-    if len(set(lengths)) < len(lengths):  # its rows would count twice in the group means
-        raise ValueError(f"lengths must be distinct, got lengths={list(lengths)}")
+    check_distinct("lengths", lengths)  # a length's rows would count twice in the group means
 
 
 def check_data(datasets, data_dir: str, lengths) -> None:

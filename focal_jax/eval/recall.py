@@ -37,7 +37,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from focal_jax._validation import check_int
+from focal_jax._validation import check_distinct, check_int
 from focal_jax.data.synthetic import Example, make_examples, score
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
@@ -184,9 +184,8 @@ def recall_suite(model, tokenizer, *, tasks=tuple(TASKS), lengths=DEFAULT_LENGTH
         raise ValueError(f"lengths must be a non-empty list of integers >= 1, got lengths={lengths!r}")
     for length in lengths:
         check_int("length", length, 1)
-    for name, values in (("tasks", tasks), ("lengths", lengths)):
-        if len(set(values)) < len(values):
-            raise ValueError(f"{name} must be distinct, got {name}={list(values)}")
+    check_distinct("tasks", tasks)
+    check_distinct("lengths", lengths)
     check_int("n_examples", n_examples, 1)
     n_positions = getattr(model.config, "n_positions", None)
     if n_positions is not None and max(lengths) >= n_positions:
