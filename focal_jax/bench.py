@@ -143,8 +143,9 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
             entry.pair_fraction = allowed / causal
             entry.note = f"pair fraction {entry.pair_fraction:.3f}, group sizes {_group_sizes(variant.membership)}"
         entries.append(entry)
-    if not soft:
-        entries.insert(3, Entry(SOFT, None, note=f"skipped: T > --skip-soft-above={args.skip_soft_above}"))
+    if not soft:  # where its row is when it runs: after focal's
+        focal = next(i for i, e in enumerate(entries) if e.name.startswith("focal"))
+        entries.insert(focal + 1, Entry(SOFT, None, note=f"skipped: T > --skip-soft-above={args.skip_soft_above}"))
     entries.append(Entry(ROUTING, _inputs.route, (x.h, x.w_g, x.centroids), pair_fraction=None))
     return entries
 
@@ -508,16 +509,27 @@ def _balanced_membership(seq_len: int, groups: int, seed: int):
     return jax.numpy.asarray(group[None, :, None] == np.arange(groups))
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a length, a count of repeats, heads, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _launch(text: str) -> tuple[int, int, int, int | None]:
     """'64:8:2' -> (block_size, num_warps, num_stages, None); '64:8:2:64' also sets the band's tiles
-    (band_block_size; default min(32, block))."""
+    (band_block_size; default min(32, block)). Warps: 1, 2, 4, 8 or 16 (Triton's); the others >= 1."""
     try:
         numbers = [int(x) for x in text.split(":")]
-        if len(numbers) not in (3, 4):
+        if len(numbers) not in (3, 4) or min(numbers) < 1 or numbers[1] not in (1, 2, 4, 8, 16):
             raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS:STAGES[:BAND] such as 64:8:2 or 64:8:2:64, got "
-                                         f"{text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected BLOCK:WARPS:STAGES[:BAND] such as 64:8:2 or 64:8:2:64 (integers "
+                                         f">= 1, warps 1, 2, 4, 8 or 16), got {text!r}") from None
     return tuple(numbers) + (None,) * (4 - len(numbers))
 
 
@@ -549,25 +561,25 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
         membership = _balanced_membership(seq_len, _inputs.N_GROUPS, args.seed)
         allowed, causal = _inputs.count_focus_pairs(membership, _inputs.WINDOW)
         variants = {
-            f"dense causal (jax.nn, {'cudnn' if on_gpu else 'xla'})": (lambda q, k, v: jax.nn.dot_product_attention(
+            f"dense causal (jax.nn, {'cudnn' if on_gpu else 'xla'})": (lambda q, k, v, m: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, implementation="cudnn" if on_gpu else None), causal),
-            "Focus decomposed": (lambda q, k, v: attention.focus_sparse_attention(
-                q, k, v, membership, window=_inputs.WINDOW, impl="decomposed", max_groups=1), allowed),
+            "Focus decomposed": (lambda q, k, v, m: attention.focus_sparse_attention(
+                q, k, v, m, window=_inputs.WINDOW, impl="decomposed", max_groups=1), allowed),
         }
         for launch in args.launch or [None]:
             block, warps, stages, band = launch or (None, None, None, None)
             label = "" if launch is None else f" ({block}, {warps} warps, {stages} stages" + (
                 "" if band is None else f", band {band}") + ")"
             if band is None:  # dense attention has no band
-                variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages: (
+                variants[f"focal t=0.4 through the kernel{label}"] = (lambda q, k, v, m, b=block, w=warps, s=stages: (
                     dot_product_pallas(q, k, v, multiplier=scale / _inputs.FOCAL_T, block_size=b, num_warps=w,
                                        num_stages=s)), causal)
-            variants[f"Focus fused kernel{label}"] = (lambda q, k, v, b=block, w=warps, s=stages, bb=band: (
-                focus_sparse_pallas(q, k, v, membership, multiplier=scale, window=_inputs.WINDOW, block_size=b,
+            variants[f"Focus fused kernel{label}"] = (lambda q, k, v, m, b=block, w=warps, s=stages, bb=band: (
+                focus_sparse_pallas(q, k, v, m, multiplier=scale, window=_inputs.WINDOW, block_size=b,
                                     band_block_size=bb, max_groups=1, num_warps=w, num_stages=s)), allowed)
         calls, names = [], []
-        for name, (fn, pairs) in variants.items():
-            calls += [(jax.jit(fn), (q, k, v)), (jax.jit(_sum_grad(fn)), (q, k, v))]
+        for name, (fn, pairs) in variants.items():  # the membership an argument: as a constant, XLA folds the plan
+            calls += [(jax.jit(fn), (q, k, v, membership)), (jax.jit(_sum_grad(fn)), (q, k, v, membership))]
             names += [(name, "forward", pairs, 1.0), (name, "forward + backward", pairs, 3.5)]
         times = _inputs.interleaved_times(calls + [(make_plan, (membership,))], repeats=args.repeats, progress=_log)
         medians = [statistics.median(t) for t in times[:-1]]
@@ -886,73 +898,99 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
-    attn.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="sequence lengths T")
-    attn.add_argument("--repeats", type=int, default=7, help="timing rounds (median), after one warm-up")
+    attn.add_argument("--lengths", type=_positive_int, nargs="+", default=[2048, 4096, 8192], help="sequence lengths T")
+    attn.add_argument("--repeats", type=_positive_int, default=7, help="timing rounds (median), after one warm-up")
     attn.add_argument("--budget-s", type=float, default=240.0,
                       help="per length: stop after 3 rounds once the timed rounds took this many seconds")
-    attn.add_argument("--block-size", type=int, default=None, help="block size of impl='decomposed' (default: its own)")
+    attn.add_argument("--block-size", type=_positive_int, default=None,
+                      help="block size of impl='decomposed' (default: its own)")
     attn.add_argument("--skip-soft-above", type=int, default=8192,
                       help="run Focus soft (dense O(T^2) with the gate) only for T <= this")
-    attn.add_argument("--heads", type=int, default=8, help="attention heads (head_dim 64)")
+    attn.add_argument("--heads", type=_positive_int, default=8, help="attention heads (head_dim 64)")
     attn.add_argument("--seed", type=int, default=0)
     attn.set_defaults(run=run_attention)
     train = sub.add_parser("train", help="tokens/s of the train step: quickstart model per attention kind, GPT-2 124M")
-    train.add_argument("--repeats", type=int, default=5, help="timed steps (median), after one warm-up")
+    train.add_argument("--repeats", type=_positive_int, default=5, help="timed steps (median), after one warm-up")
     train.add_argument("--skip-124m", action="store_true", help="only the quickstart model")
     train.add_argument("--size", default=None, help="instead: a Focal paper size (e.g. 400M), MFU on one device")
-    train.add_argument("--batch", type=int, default=8, help="with --size: sequences per step")
-    train.add_argument("--seq-len", type=int, default=2048, help="with --size: tokens per sequence")
+    train.add_argument("--batch", type=_positive_int, default=None, help="with --size: sequences per step (8)")
+    train.add_argument("--seq-len", type=_positive_int, default=None, help="with --size: tokens per sequence (2048)")
     train.add_argument("--remat", action="store_true", help="with --size: rematerialise each block")
     train.add_argument("--compile-for-h200", action="store_true",
                        help="with --size: no timing, the step's memory compiled for an H200 (in .venv-compile)")
     train.set_defaults(run=run_train)
     kernel = sub.add_parser("kernel", help="dense (cuDNN) vs focal through the kernel vs decomposed vs fused kernel")
-    kernel.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
-    kernel.add_argument("--heads", type=int, default=16)
-    kernel.add_argument("--head-dim", type=int, default=128)
-    kernel.add_argument("--repeats", type=int, default=5)
+    kernel.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 16384, 32768, 65536])
+    kernel.add_argument("--heads", type=_positive_int, default=16)
+    kernel.add_argument("--head-dim", type=_positive_int, default=128)
+    kernel.add_argument("--repeats", type=_positive_int, default=5)
     kernel.add_argument("--seed", type=int, default=0)
     kernel.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES[:BAND]",
                         help="Triton launches of the kernel rows to compare (default: the library's own); BAND: "
                              "the band's tiles (default min(32, BLOCK))")
     kernel.set_defaults(run=run_kernel)
     plan = sub.add_parser("plan", help="visited block area of the kernels' plan vs allowed pairs (no timing)")
-    plan.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    plan.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 16384, 32768, 65536])
     plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--block-size", type=int, default=64, help="set A's blocks (the GPU default is 64)")
+    plan.add_argument("--block-size", type=_positive_int, default=64, help="set A's blocks (the GPU default is 64)")
     plan.set_defaults(run=run_plan)
     comp = sub.add_parser("compile", help="the kernels compiled for an H200 and TPUs without them (no timing)")
-    comp.add_argument("--seq-len", type=int, default=16384)
+    comp.add_argument("--seq-len", type=_positive_int, default=16384)
     comp.add_argument("--launch", type=_launch, nargs="+", default=None, metavar="BLOCK:WARPS:STAGES[:BAND]",
                       help="Triton launches to compare with the default; BAND: the band's tiles (default min(32, "
                            "BLOCK))")
-    comp.add_argument("--memory-lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536])
+    comp.add_argument("--memory-lengths", type=_positive_int, nargs="*", default=[4096, 16384, 32768, 65536])
     comp.add_argument("--tpus", nargs="*", default=["v4:2x2x1", "v5e:2x2", "v5p:2x2x1", "v6e:2x2"],
                       help="TPU topologies to compile for (generation:shape)")
     comp.set_defaults(run=run_compile)
     sink = sub.add_parser("sinkhorn", help="Sinkhorn's iterations unrolled vs lax.scan: compile and call time")
-    sink.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    sink.add_argument("--batch", type=int, default=4)
-    sink.add_argument("--groups", type=int, default=8)
-    sink.add_argument("--documents", type=int, default=4, help="segments per row, for the packed rows")
-    sink.add_argument("--repeats", type=int, default=20)
+    sink.add_argument("--lengths", type=_positive_int, nargs="+", default=[2048])
+    sink.add_argument("--batch", type=_positive_int, default=4)
+    sink.add_argument("--groups", type=_positive_int, default=8)
+    sink.add_argument("--documents", type=_positive_int, default=4, help="segments per row, for the packed rows")
+    sink.add_argument("--repeats", type=_positive_int, default=20)
     sink.add_argument("--seed", type=int, default=0)
     sink.set_defaults(run=run_sinkhorn)
     shard = sub.add_parser("shard", help="the Pallas kernel on a mesh without / inside jax.set_mesh (no timing)")
-    shard.add_argument("--mesh", type=int, nargs=3, default=[2, 2, 2], metavar=("DATA", "FSDP", "TENSOR"))
-    shard.add_argument("--batch", type=int, default=8)
-    shard.add_argument("--seq-len", type=int, default=256)
-    shard.add_argument("--heads", type=int, default=8)
-    shard.add_argument("--kv-heads", type=int, default=4)
-    shard.add_argument("--head-dim", type=int, default=64)
+    shard.add_argument("--mesh", type=_positive_int, nargs=3, default=[2, 2, 2], metavar=("DATA", "FSDP", "TENSOR"))
+    shard.add_argument("--batch", type=_positive_int, default=8)
+    shard.add_argument("--seq-len", type=_positive_int, default=256)
+    shard.add_argument("--heads", type=_positive_int, default=8)
+    shard.add_argument("--kv-heads", type=_positive_int, default=4)
+    shard.add_argument("--head-dim", type=_positive_int, default=64)
     shard.add_argument("--seed", type=int, default=0)
     shard.set_defaults(run=run_shard)
     return parser
 
 
+def _check_train_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``train``: ``--size`` one of the Focal paper's sizes, and the options that only ``--size`` reads not given
+    without it (they would be ignored); fills in ``--batch`` and ``--seq-len``'s defaults."""
+    from focal_jax.nn.llama import FOCAL_SIZES
+
+    if args.size is None:
+        given = [f"--{name.replace('_', '-')}" for name in ("batch", "seq_len", "remat", "compile_for_h200")
+                 if getattr(args, name) not in (None, False)]
+        if given:
+            parser.error(f"train: {', '.join(given)} needs --size (the Focal paper model's step); without it, ignored")
+    elif args.size not in FOCAL_SIZES:
+        parser.error(f"train: --size must be one of {', '.join(FOCAL_SIZES)}, got --size={args.size!r}")
+    args.batch = 8 if args.batch is None else args.batch
+    args.seq_len = 2048 if args.seq_len is None else args.seq_len
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.benchmark == "train":
+        _check_train_args(parser, args)
+    for name in ("lengths", "memory_lengths", "launch"):
+        values = getattr(args, name, None) or []
+        if len(set(values)) < len(values):  # a row or a column per value: a repeat would overwrite one
+            parser.error(f"{args.benchmark}: --{name.replace('_', '-')} must be distinct, got {values}")
+    if args.benchmark == "shard" and args.heads % args.kv_heads:
+        parser.error(f"shard: --kv-heads={args.kv_heads} must divide --heads={args.heads} (grouped-query attention)")
     return args.run(args, argv)
 
 

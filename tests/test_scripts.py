@@ -29,6 +29,15 @@ def test_bench_prints_every_variant(capsys):
     assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
 
 
+def test_bench_attention_keeps_its_rows_in_order_when_soft_is_skipped(capsys):
+    """Focus soft skipped (T > --skip-soft-above) keeps its row where it is when it runs, after focal's."""
+    assert bench.main(["attention", "--lengths", "128", "--repeats", "1", "--heads", "1",
+                       "--skip-soft-above", "64"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 128 ")]
+    assert [row.split("|")[2].strip() for row in rows][3:5] == ["focal (t=0.4)", bench.SOFT]
+    assert "skipped: T > --skip-soft-above=64" in rows[4]
+
+
 @pytest.mark.parametrize("k,window", [(1, 0), (1, 5), (2, 3), (4, 7), (2, 100)])
 def test_count_focus_pairs_equals_the_mask(k, window):
     scores = jax.random.normal(jax.random.key(k + window), (2, 60, 4))
@@ -66,6 +75,49 @@ def test_bench_kernel_compares_triton_launches(capsys):
     for bad in ("64:8", "64:8:2:32:1"):
         with pytest.raises(SystemExit):
             bench.main(["kernel", "--launch", bad])
+
+
+def test_bench_kernel_leaves_the_plan_to_each_call(monkeypatch, capsys):
+    """The membership is an argument of every timed call: closed over, it is a constant, and XLA folds the plan (its
+    sorts) into the compiled program, so the fused kernel and the decomposed path would be timed without it."""
+    timed = []
+
+    def interleaved_times(calls, **kwargs):
+        timed.extend(calls)
+        return [[1.0] for _ in calls]  # the times do not matter here
+
+    monkeypatch.setattr(bench._inputs, "interleaved_times", interleaved_times)
+    assert bench.main(["kernel", "--lengths", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1"]) == 0
+    sorting = [(fn, args) for fn, args in timed if "sort" in fn.lower(*args).as_text()]
+    assert len(sorting) >= 5  # the decomposed path and the fused kernel, forward and backward, and the plan alone
+    for fn, args in sorting:
+        assert " sort(" in fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--lengths", "1024", "0"], "argument --lengths: expected an integer >= 1, got '0'"),
+    (["plan", "--block-size", "-64"], "argument --block-size: expected an integer >= 1, got '-64'"),
+    (["attention", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+    (["kernel", "--heads", "0"], "argument --heads: expected an integer >= 1, got '0'"),
+    (["kernel", "--launch", "0:8:2"], "got '0:8:2'"),
+    (["kernel", "--launch", "64:3:2"], "got '64:3:2'"),
+    (["train", "--size", "4M"], "--size must be one of tiny, 400M"),
+    (["train", "--compile-for-h200"], "train: --compile-for-h200 needs --size"),
+    (["train", "--batch", "4", "--remat"], "train: --batch, --remat needs --size"),
+    (["sinkhorn", "--documents", "0"], "argument --documents: expected an integer >= 1, got '0'"),
+    (["shard", "--mesh", "0", "2", "2"], "argument --mesh: expected an integer >= 1, got '0'"),
+    (["compile", "--memory-lengths", "-5"], "argument --memory-lengths: expected an integer >= 1, got '-5'"),
+    (["kernel", "--lengths", "4096", "4096"], "kernel: --lengths must be distinct, got [4096, 4096]"),
+    (["kernel", "--launch", "64:8:2", "64:8:2"], "kernel: --launch must be distinct"),
+    (["shard", "--heads", "6", "--kv-heads", "4"], "shard: --kv-heads=4 must divide --heads=6"),
+])
+def test_bench_rejects_bad_arguments(argv, message, capsys):
+    """A bad value is a usage error naming it and what was expected, before anything runs (not a traceback
+    later, nor a run that ignores it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_bench_compile_says_what_it_skips(capsys):
