@@ -70,10 +70,10 @@ compile-check: $(VENV_COMPILE)/.installed
 
 # On a GPU machine with jax installed and no network (the device machine): install this checkout without its
 # dependencies, then the device-only tests and the kernel and training benchmarks (BENCHMARKS.md). What that
-# machine's image lacks (grain, ml-collections, array-record, portpicker; the trainer imports them) travels as
-# wheels: `make device-wheels` here fills .whl (Python 3.12, x86-64), which the device run carries. Most needed
-# first, each step time-boxed (9.5 minutes in all, inside the device tool's 10 per command) and logged to $OUT (the
-# device tool's output folder) as it ends, so that a step that fails or runs out keeps the others' results.
+# machine's image lacks (grain, ml-collections, array-record, portpicker, tensorboardX; the trainer imports them)
+# travels as wheels: `make device-wheels` here fills .whl (Python 3.12, x86-64), which the device run carries. Most
+# needed first, each step time-boxed (9.5 minutes in all, inside the device tool's 10 per command) and logged to
+# $OUT (the device tool's output folder) as it ends, so that a step that fails or runs out keeps the others' results.
 GPU_LOGS = $(if $(OUT),$(OUT),/tmp)
 gpu-check: export PYTHONPATH = /tmp/site
 gpu-check: export PYTHONUNBUFFERED = 1
@@ -91,7 +91,7 @@ gpu-check:
 device-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 -d .whl grain ml-collections array-record portpicker
+		--platform manylinux2014_x86_64 -d .whl grain ml-collections array-record portpicker tensorboardX
 
 clean:
 	rm -rf $(VENV) $(VENV_COMPILE) demo_out

@@ -9,6 +9,7 @@ import importlib.metadata
 import pathlib
 import pkgutil
 import re
+import subprocess
 import sys
 
 import pytest
@@ -99,3 +100,20 @@ def test_every_module_imports():
         except ModuleNotFoundError as error:
             assert name in EXTRA_MODULES, f"{name}: {error}"
             assert f"focal_jax[{EXTRA_MODULES[name]}]" in str(error), error
+
+
+def test_no_module_imports_torch():
+    """tensorboardX imports torch wherever torch is installed (2 s on this machine; on a GPU machine, torch's CUDA
+    libraries before jax's), so only the process that writes metrics imports it: importing every module of the
+    library (in a fresh interpreter) loads neither."""
+    code = ("import importlib, pkgutil, sys, focal_jax, focal_jax.configs, focal_jax.kernels\n"
+            "for package in (focal_jax, focal_jax.kernels, focal_jax.configs):\n"
+            "    for m in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+            "        try:\n"
+            "            importlib.import_module(m.name)\n"
+            "        except ModuleNotFoundError:\n"
+            "            pass  # an extra's adapter, where the extra is not installed\n"
+            "print(sorted(name for name in ('torch', 'tensorboardX') if name in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = ("step", "kind", "time")
@@ -97,6 +96,10 @@ class MetricWriter:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(tmp, self.path)
         self._file = open(self.path, "a")
+        # Imported here: tensorboardX imports torch wherever torch is installed (2 s on a 2-core CPU machine; on a
+        # GPU machine torch's CUDA libraries then load before jax's), and only the writing process needs it.
+        from tensorboardX import SummaryWriter
+
         purge = None if resume_step is None else int(resume_step) + 1
         self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge)
 
