@@ -770,6 +770,32 @@ def test_a_resumed_retrofit_stays_on_its_base_step(tmp_path, cache_dir):
         np.testing.assert_array_equal(_get(retro_params, path), value, err_msg=path)
 
 
+def test_a_relative_init_from_is_kept_as_the_directory_it_named(tmp_path, cache_dir, monkeypatch):
+    """A run given `init_from` relative to the directory it started in records that directory (absolute): its model
+    loads from any working directory, it resumes with the path written either way, and a resume where the same
+    relative path names another directory is refused."""
+    monkeypatch.chdir(tmp_path)
+    train(tiny(cache_dir, total_steps=1), "base")
+    config = load_experiment("focus_retrofit", "runlocal,init_from=base")
+    config.update(batch_size=8, total_steps=2, eval_batches=0)
+    retro = str(tmp_path / "retro")
+    train(config, retro, stop_after=1)
+    assert checkpoint.read_meta(retro)[1]["init_from"] == str(tmp_path / "base")
+    at_start = nnx.to_pure_dict(nnx.state(load_model(retro), nnx.Param))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    moved = nnx.to_pure_dict(nnx.state(load_model(retro), nnx.Param))  # was: init_from='base' is not a directory
+    jax.tree.map(np.testing.assert_array_equal, moved, at_start)
+    (tmp_path / "elsewhere" / "base").mkdir()  # 'base' now names another directory
+    with pytest.raises(ValueError, match=r"different config.*init_from: '.*/base' \(stored\) vs '.*/elsewhere/base' "
+                                         r"\(now\)"):
+        train(config, retro)
+    monkeypatch.chdir(tmp_path)  # where data.tokenizer ('base/tokenizer.model', relative too) is
+    config.init_from = str(tmp_path / "base")
+    train(config, retro)
+    assert latest_step(retro) == 2
+
+
 def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_dir):
     """A run from scratch that trains only some parameters saves the frozen ones too: it resumes exactly, and its
     checkpoints alone rebuild the model."""

@@ -104,7 +104,7 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
             raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
     model = load_model(workdir, step=step)  # first: it names the saved steps when `step` is not one
     step, meta = checkpoint.read_meta(workdir, step)
-    run = check_config(ml_collections.ConfigDict(meta["config"]))
+    run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     trained = run.data.seq_len
     seq_len = seq_len or trained
     if batch_size is None:

@@ -220,7 +220,7 @@ def claim(claim: str, paper: str, ours: str, holds: str) -> dict:
 def eval_batches_of(ctx: Context, workdir: str, data: DataConfig, n: int | None = None) -> list:
     """Held-out batches of another data source `data`, tokenized with the run's tokenizer."""
     _, meta = checkpoint.read_meta(workdir)
-    run_config = check_config(ml_collections.ConfigDict(meta["config"]))
+    run_config = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     data = dataclasses.replace(data, tokenizer=tokenizer_file(workdir), seq_len=run_config.data.seq_len)
     built = build_data(data, global_batch=run_config.batch_size, seed=0, process_index=0, process_count=1)
     return built.eval_batches(n or ctx.eval_batches)

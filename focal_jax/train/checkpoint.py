@@ -103,3 +103,13 @@ def is_hf_directory(path: str) -> bool:
 def config_json(config) -> dict:
     """The config as plain JSON data (what checkpoints store and resumes compare)."""
     return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def stored_config(meta: dict) -> dict:
+    """The config (JSON data) a checkpoint's `meta` records, with `init_from` as the run resolved it: the config
+    keeps the path as given, which may be relative to the directory the run started in, and `meta["init_from"]` is
+    absolute (runs stored by 0.6.15 and earlier hold the path as given in both)."""
+    config = dict(meta["config"])
+    if meta.get("init_from"):
+        config["init_from"] = meta["init_from"]
+    return config

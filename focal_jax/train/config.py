@@ -116,7 +116,7 @@ class RunConfig:
     mesh: dict
     compute_dtype: str
     param_dtype: str
-    init_from: str | None
+    init_from: str | None  # absolute (the config may give it relative to the working directory)
     balance_weight: float
     family: str
     model: LlamaConfig | GPT2Config | None  # None for family 'hf' (the architecture comes from init_from)
@@ -225,8 +225,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         log_every=merged["log_every"], eval_every=merged["eval_every"], eval_batches=merged["eval_batches"],
         ckpt_every=merged["ckpt_every"], keep_checkpoints=merged["keep_checkpoints"], mesh=mesh,
         compute_dtype=merged["compute_dtype"], param_dtype=merged["param_dtype"],
-        init_from=os.path.expanduser(init_from) if init_from else None, balance_weight=float(weight), family=family,
-        model=model,
+        init_from=os.path.abspath(os.path.expanduser(init_from)) if init_from else None,
+        balance_weight=float(weight), family=family, model=model,
         retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
         optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config,
         hf_remat=family == "hf" and _as_dict(merged["model"]).get("remat", False))
@@ -272,6 +272,8 @@ def _differences(stored: dict, current: dict, prefix: str) -> list[str]:
         a, b = stored.get(key), current.get(key)
         if full == "data.task_kwargs":
             a, b = task_kwargs_dict(a), task_kwargs_dict(b)
+        if full == "init_from":  # the same directory, however it is written
+            a, b = (os.path.realpath(os.path.expanduser(x)) if isinstance(x, str) else x for x in (a, b))
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             a, b = list(a), list(b)
         if isinstance(a, dict) and isinstance(b, dict):

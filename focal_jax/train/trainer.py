@@ -148,7 +148,7 @@ def load_model(workdir: str, *, step: int | None = None):
     `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
-    run = check_config(ml_collections.ConfigDict(meta["config"]))
+    run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
     return load_pretrained(model, workdir, with_base=False, step=step)
 
@@ -397,7 +397,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
         _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(stored["config"], checkpoint.config_json(config))
+        diffs = config_differences(checkpoint.stored_config(stored), checkpoint.config_json(config))
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
