@@ -4,6 +4,7 @@ the command line against the trainer's own held-out loss."""
 
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -295,6 +296,8 @@ def test_command_line_on_a_training_workdir_matches_the_trainers_eval_loss(tmp_p
         saved = json.load(f)
     assert saved["rows"][1]["loss"] == rows[1]["loss"] and saved["settings"]["seq_len"] == 32
     assert saved["settings"]["impl"] is None  # the model's own
+    assert saved["settings"]["topk"] == "1" and saved["settings"]["batch_size"] == 8
+    assert saved["settings"]["workdir"] == os.path.abspath(workdir)
 
 
 def test_command_line_step_and_window(tmp_path):

@@ -366,9 +366,10 @@ def main(argv=None) -> list[dict]:
     print("\n" + format_table(rows))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        settings = dict(workdir=args.workdir, step=run.step, seq_len=run.seq_len, trained_seq_len=run.trained_seq_len,
-                        batches=len(run.batches), rope_ntk_factor=args.rope_ntk_factor, window=args.window,
-                        impl=args.impl)
+        settings = dict(workdir=os.path.abspath(args.workdir), step=run.step, seq_len=run.seq_len,
+                        trained_seq_len=run.trained_seq_len, batches=len(run.batches),
+                        batch_size=int(np.shape(run.batches[0]["inputs"])[0]), topk=topk,
+                        rope_ntk_factor=args.rope_ntk_factor, window=args.window, impl=args.impl)
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
