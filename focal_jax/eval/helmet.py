@@ -55,12 +55,17 @@ What differs:
   depth (a gold passage at 80% of the passages stays at 80%): RAG's passages that KILT marks `has_answer` (else
   those containing a normalised answer; if they alone overflow, only the first is kept), the lines holding the key or
   a value (json_kv, RULER), and json_kv's first and last lines, which open and close the JSON object. Re-ranking is
-  scored against the judgements of the passages shown. `fit='truncate'` is HELMET's rule literally (the context's
-  last tokens are cut, answers included);
+  scored against the judgements of the passages shown. `fit='truncate'` is HELMET's rule (the context's last tokens
+  are cut, answers included), the prompt re-encoded and cut further while it is still over the budget (HELMET does
+  not re-check);
 - lengths other than HELMET's use the file of the next HELMET length up (and its ICL shot count), then fit;
 - LongQA: HELMET cuts each book to `length - 200 - generation` Llama-2 tokens and appends " ... [the rest of the
   text is omitted]"; here the book is cut with the run's tokenizer so that the whole prompt fits, the same suffix
-  appended. HELMET runs LongQA with a chat template; a base model has none, so the prompt ends with "Answer:";
+  appended. HELMET runs LongQA with a chat template; a base model has none, so the prompt ends with "Answer:".
+  HELMET also drops books under 65536 Llama-2 tokens before sampling (data.py says none is that short); here no book
+  is dropped, so the sample is HELMET's only if that holds;
+- HELMET's LongQA group also averages NarrativeQA (not run here): the `longqa` mean is over En.MC and En.QA only,
+  not comparable with HELMET's LongQA score;
 - the InfiniteBench multiple-choice rule is kept as HELMET has it, quirk included: normalisation deletes the
   article "a", so the answer letter "A" normalises to "" and an empty answer counts as "A";
 - newlines stop decoding when the decoded text holds one (HELMET stops at newline token ids).
@@ -638,7 +643,8 @@ def _load_rerank(dataset, path, demo_path, n, seed):
 def balance_labels(rows: list[dict], count: int, seed: int, label_field: str) -> list[dict]:
     """HELMET's label-balanced sample of `count` rows (data.py `balance_labels`): rounds of one row per label
     (labels in order of first appearance, rows drawn with `random.Random(seed)`, with replacement once a label runs
-    out), each round shuffled, concatenated, cut to `count`."""
+    out), each round shuffled, concatenated, cut to `count`. Step for step as `load_icl`'s `balance_labels` in
+    princeton-nlp/HELMET data.py (commit fdd6333, read 2026-12-03), which also balances the test rows this way."""
     rand = random.Random(seed)
     by_label = {}
     for row in rows:
