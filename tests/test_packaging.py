@@ -6,6 +6,7 @@ again in `.venv-compile`, which has the project without extras, where every modu
 import ast
 import importlib
 import importlib.metadata
+import os
 import pathlib
 import pkgutil
 import re
@@ -117,3 +118,25 @@ def test_no_module_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_kernels_in_the_repository_root_is_the_installed_package(tmp_path):
+    """Where Python runs in the repository root (`python -m`, pytest), its kernels/ (`focal_jax.kernels`) would also
+    be a top-level `kernels` and shadow Hugging Face's package of that name, which transformers >= 5.25 imports: its
+    models failed to load with "cannot import name 'CUDAProperties' from 'kernels'". There `import kernels` gives the
+    installed package, and without one fails as outside the repository. (`python -S`: no site-packages, so only the
+    stand-in below is installed.)"""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("NAME = 'installed'\n")
+
+    def import_kernels(pythonpath: str):
+        code = "import kernels; print(kernels.NAME)"
+        return subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": pythonpath})
+
+    found = import_kernels(str(site))
+    assert found.returncode == 0 and found.stdout.strip() == "installed", found.stderr[-2000:]
+    missing = import_kernels("")
+    assert "ModuleNotFoundError: No module named 'kernels' (the repository's kernels/ is focal_jax.kernels)" in (
+        missing.stderr), missing.stderr[-2000:]
