@@ -388,6 +388,10 @@ def test_pack_errors():
     check_raises(lambda: pack([np.array([1, 2])], 0), "seq_len=0")
     check_raises(lambda: pack([], 4), "at least one document")
     check_raises(lambda: pack([np.array([1]), np.array([])], 4), "token_docs[1]")
+    check_raises(lambda: pack([np.array([1]), np.array([2, 2**31])], 4), "token_docs[1] holds token id 2147483648",
+                 "[0, 2147483647]")  # was: wrapped to -2147483648
+    check_raises(lambda: pack([np.array([5, -1])], 4), "token_docs[0] holds token id -1")
+    assert pack([np.array([2**31 - 1], np.int64)], 2)["inputs"].tolist() == [[2**31 - 1, 0]]
 
 
 # ----------------------------------------------------------------------------------------------------------------

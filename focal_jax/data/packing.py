@@ -41,6 +41,10 @@ def pack(token_docs: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
         if d.ndim != 1 or d.size == 0 or not np.issubdtype(d.dtype, np.integer):
             raise ValueError(f"token_docs[{i}] must be a non-empty 1-D integer array, got shape {d.shape} "
                              f"and dtype {d.dtype}")
+        low, high = int(d.min()), int(d.max())
+        if low < 0 or high > np.iinfo(np.int32).max:
+            raise ValueError(f"token_docs[{i}] holds token id {low if low < 0 else high}: ids must lie in "
+                             f"[0, {np.iinfo(np.int32).max}] (rows are int32)")
     lengths = np.array([d.size for d in docs])
     n_rows = -(-int(lengths.sum()) // seq_len)
     size = n_rows * seq_len + 1  # one extra slot: the target of the last input
