@@ -104,6 +104,8 @@ def test_special_ids_from_the_directorys_config_files(tmp_path):
     fails(json.dumps({"eos_token_id": 10_000}), "{}", "eos_token_id=10000", "below the vocabulary size")
     fails("{}", json.dumps({"eos_token": "<|missing|>"}), "eos_token='<|missing|>' is not a token of")
     fails("{}", json.dumps({"eos_token": 5}), "eos_token=5", "tokenizer_config.json")
+    fails(json.dumps({"eos_token_id": 1}), json.dumps({"eos_token": {"special": True}}),  # was: no eos token
+          "eos_token={'special': True}", "{'content': string}")
 
 
 def test_build_data_frames_documents_with_eos_and_copies_the_tokenizer(hf_tokenizer, tmp_path):

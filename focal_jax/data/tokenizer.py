@@ -170,7 +170,8 @@ def _hf_special_ids(hf: tokenizers.Tokenizer, path: str, vocab_size: int) -> dic
         key = f"{name}_token"
         if key in tokenizer_config:
             token = tokenizer_config[key]
-            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, dict):
+                token = token.get("content", False)  # a dict without "content" is an error, not "no token"
             if token is not None and not isinstance(token, str):
                 raise ValueError(f"{config_path}: {key} must be a token string, {{'content': string}} or null, got "
                                  f"{key}={tokenizer_config[key]!r}")
