@@ -336,33 +336,51 @@ def _step_seconds(step, step_args, repeats: int) -> float:
 
 
 def traced_equations(jaxpr, times: int = 1):
-    """Every equation of `jaxpr` and of the jaxprs nested in it (calls, loops, custom VJPs), with how many times it
-    runs as traced: a scan's body `length` times, a while loop's body once. A `pallas_call` is yielded, its kernel
-    body is not entered (its products are not XLA's)."""
+    """Every equation of `jaxpr` and of the jaxprs nested in it (calls, loops, conds, custom VJPs), with how many
+    times it runs as traced: a scan's body `length` times, a while loop's body once, every branch of a cond once. A
+    `pallas_call` is yielded, its kernel body is not entered (its products are not XLA's)."""
     for eqn in jaxpr.eqns:
         yield eqn, times
-        if eqn.primitive.name == "pallas_call":
-            continue
-        repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                if hasattr(sub, "eqns"):
-                    yield from traced_equations(sub, repeat)
+        for sub, repeat in _nested_jaxprs(eqn, times):
+            yield from traced_equations(sub, repeat)
+
+
+def _nested_jaxprs(eqn, times: int):
+    """`(jaxpr, times)` of each jaxpr nested in `eqn` (none in a `pallas_call`'s kernel): a scan's body runs
+    `length` times per run of `eqn`."""
+    if eqn.primitive.name == "pallas_call":
+        return
+    repeat = times * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else times
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+            if hasattr(sub, "eqns"):
+                yield sub, repeat
 
 
 def matmul_flops(fn, *args) -> tuple[float, float]:
     """`(all, 16-bit)`: FLOPs of the matrix products in `fn(*args)` as traced (its jaxpr, through nested calls and
     scans), and of those whose two operands are 16-bit (bf16 / fp16: the matmul units' full rate on a GPU or TPU).
-    The products inside Pallas kernels are not counted; a while loop's body counts once."""
+    The products inside Pallas kernels are not counted; a while loop's body counts once, a cond its costliest
+    branch (only one runs)."""
+    return _jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+
+
+def _jaxpr_matmul_flops(jaxpr, times: int) -> tuple[float, float]:
     total = low = 0.0
-    for eqn, times in traced_equations(jax.make_jaxpr(fn)(*args).jaxpr):
+    for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             lhs, rhs = (v.aval for v in eqn.invars)
             (contracting, _), _ = eqn.params["dimension_numbers"]
             flops = times * 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
             total += flops
             low += flops if lhs.dtype.itemsize == 2 and rhs.dtype.itemsize == 2 else 0.0
+            continue
+        nested = [_jaxpr_matmul_flops(sub, repeat) for sub, repeat in _nested_jaxprs(eqn, times)]
+        if eqn.primitive.name == "cond" and nested:
+            nested = [max(nested)]
+        total += sum(t for t, _ in nested)
+        low += sum(x for _, x in nested)
     return total, low
 
 
@@ -605,7 +623,8 @@ def run_kernel(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _fused_pass_extra_blocks(group, window: int, block: int) -> int:
     """Blocks one fused pass over the (group, position)-sorted order would visit beyond set A's: for each query
-    block, the blocks of every other group holding keys at positions `[first - window, last]` of its queries."""
+    block, the blocks holding keys at positions `[first - window, last]` of its queries (of any group; each block
+    once) that set A does not visit (from the start of the block's first group to the diagonal)."""
     import numpy as np
 
     t, groups = len(group), int(group.max()) + 1
@@ -614,17 +633,17 @@ def _fused_pass_extra_blocks(group, window: int, block: int) -> int:
     starts = np.searchsorted(sorted_group, np.arange(groups))
     ends = np.searchsorted(sorted_group, np.arange(groups), side="right")
     extra = 0
-    for first in range(0, t, block):
-        tokens, own = order[first:first + block], sorted_group[first:first + block]
+    for query_block, first in enumerate(range(0, t, block)):
+        tokens = order[first:first + block]
         low, high = tokens.min() - window, tokens.max()
+        visited = set()
         for g in range(groups):
-            if np.all(own == g):
-                continue  # the query block's own group: set A's blocks
             positions = order[starts[g]:ends[g]]
             lo = starts[g] + np.searchsorted(positions, low)
             hi = starts[g] + np.searchsorted(positions, high, side="right")
-            if hi > lo:
-                extra += (hi - 1) // block - lo // block + 1
+            visited.update(range(lo // block, (hi - 1) // block + 1) if hi > lo else ())
+        set_a = range(starts[sorted_group[first]] // block, query_block + 1)
+        extra += len(visited.difference(set_a))
     return extra
 
 
