@@ -1,6 +1,7 @@
 """The trainer: meshes, resume, preemption, multi-process, init precedence, retrofit, bad input, experiments."""
 
 import ast
+import dataclasses
 import glob
 import json
 import math
@@ -219,6 +220,30 @@ def test_task_kwargs_is_a_section():
     assert config_differences(stored, current) == []
     stored["data"]["task_kwargs"] = [["n_pairs", 4], ["n_queries", 2]]
     assert config_differences(stored, current) == ["data.task_kwargs.n_pairs: 4 (stored) vs 5 (now)"]
+
+
+def test_a_model_section_compares_as_the_model_it_builds():
+    """A resume compares `model` as the model config it builds: leaving out a default (`family: 'llama'`, an
+    attention setting) or naming a Focal size instead of its fields is the same config (both were 'a different
+    config'); a changed setting is named by its key, and a section that builds nothing is compared as written."""
+    llama = {"family": "llama", "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "intermediate": 128,
+             "attn": {"kind": "focal", "focal_t": 0.4}}
+    without_defaults = {k: v for k, v in llama.items() if k != "family"} | {"attn": {"kind": "focal"}}
+    assert config_differences({"model": llama}, {"model": without_defaults}) == []
+    assert config_differences({"model": llama}, {"model": {**llama, "attn": {"kind": "focal", "focal_t": 0.3}}}) == [
+        "model.attn.focal_t: 0.4 (stored) vs 0.3 (now)"]
+    assert config_differences({"model": llama}, {"model": {**llama, "n_layers": 3}}) == [
+        "model.n_layers: 2 (stored) vs 3 (now)"]
+    sized = {"size": "400M", "vocab_size": 512}
+    spelled = dataclasses.asdict(check_config(ml_collections.ConfigDict({"model": sized})).model)
+    assert config_differences({"model": sized}, {"model": spelled | {"attn": dict(spelled["attn"])}}) == []
+    gpt2 = {"family": "gpt2", "n_layers": 2, "kind": "focal"}
+    assert config_differences({"model": gpt2}, {"model": gpt2 | {"focal_t": 0.4, "impl": "xla"}}) == []
+    assert config_differences({"model": {"family": "hf"}}, {"model": {"family": "hf", "remat": False}}) == []
+    assert config_differences({"model": {"family": "hf"}}, {"model": {"family": "hf", "remat": True}}) == [
+        "model.remat: False (stored) vs True (now)"]
+    assert config_differences({"model": {"d_model": 64, "bogus": 1}}, {"model": {"d_model": 64}}) == [
+        "model.bogus: 1 (stored) vs None (now)"]
 
 
 def test_optimizer_is_adamw_after_global_norm_clipping():
@@ -1383,3 +1408,49 @@ def test_focus_finetune_starts_from_phase_one(runs):
         load_experiment("focus_finetune", f"runlocal,init_from={runs['phase1']},attn=dense")
     with pytest.raises(ValueError, match="attn=focus starts from a phase-1 run"):
         load_experiment("focus_finetune", f"runlocal,init_from={runs['base']}")
+
+
+def test_with_absolute_paths_resolves_only_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = {"seed": 0, "init_from": "base", "data": {"paths": "a/*.txt, /abs/b.txt,", "eval_paths": [],
+                                                       "tokenizer": "~/t.model", "source": "text"}}
+    assert checkpoint.with_absolute_paths(config) == {
+        "seed": 0, "init_from": f"{tmp_path}/base", "data": {
+            "paths": [f"{tmp_path}/a/*.txt", "/abs/b.txt"], "eval_paths": [],
+            "tokenizer": os.path.expanduser("~/t.model"), "source": "text"}}
+    assert config["data"]["paths"] == "a/*.txt, /abs/b.txt,"  # the argument is left as it was
+    assert checkpoint.with_absolute_paths({"seed": 0, "data": {"tokenizer": None}}) == {"seed": 0,
+                                                                                         "data": {"tokenizer": None}}
+
+
+def test_relative_data_paths_are_kept_as_the_files_they_named(tmp_path, cache_dir, monkeypatch):
+    """A run given `data.paths` and `data.eval_paths` relative to the directory it started in records them
+    absolute: its held-out batches load from any working directory, and a resume where the same relative patterns
+    name other files is refused by name."""
+    from focal_jax.data import DataConfig, read_documents
+    from focal_jax.eval.diagnostics import load_run
+
+    documents = read_documents(DataConfig(source="builtin", cache_dir=cache_dir))
+    (tmp_path / "corpus").mkdir()
+    for name, part in (("train.jsonl", documents[:-20]), ("eval.jsonl", documents[-20:])):
+        (tmp_path / "corpus" / name).write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    monkeypatch.chdir(tmp_path)
+    config = tiny(cache_dir, total_steps=2)
+    config.data.update(source="jsonl", paths=("corpus/train.jsonl",), eval_paths=("corpus/eval.jsonl",))
+    workdir = str(tmp_path / "run")
+    train(config, workdir, stop_after=1)
+    stored = checkpoint.read_meta(workdir)[1]["config"]["data"]
+    assert (stored["paths"], stored["eval_paths"]) == ([str(tmp_path / "corpus/train.jsonl")],
+                                                       [str(tmp_path / "corpus/eval.jsonl")])
+    here = load_run(workdir, n_batches=1).batches
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    moved = load_run(workdir, n_batches=1).batches  # was: no file matches the pattern 'corpus/eval.jsonl'
+    jax.tree.map(np.testing.assert_array_equal, moved, here)
+    shutil.copytree(tmp_path / "corpus", tmp_path / "elsewhere" / "corpus")  # the same patterns, other files
+    with pytest.raises(ValueError, match=r"different config.*data.paths: \['.*/corpus/train.jsonl'\] \(stored\) vs "
+                                         r"\['.*/elsewhere/corpus/train.jsonl'\] \(now\)"):
+        train(config, workdir)
+    monkeypatch.chdir(tmp_path)
+    train(config, workdir)
+    assert latest_step(workdir) == 2

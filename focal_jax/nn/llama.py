@@ -18,8 +18,9 @@ from focal_jax.attention.segments import segment_prefix
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, rows_at
 
-_DERIVED = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm", "norm_eps",
-            "rope_theta")
+# The AttentionConfig fields that LlamaConfig.attention derives from its own fields (`attn` may not set them).
+DERIVED_ATTENTION_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm",
+                            "norm_eps", "rope_theta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +67,11 @@ class LlamaConfig:
             raise ValueError(f"head_dim=None needs n_heads={self.n_heads} to divide d_model={self.d_model}")
         fields = {f.name for f in dataclasses.fields(AttentionConfig)}
         for key, _ in self.attn:
-            if key in _DERIVED:
+            if key in DERIVED_ATTENTION_FIELDS:
                 raise ValueError(f"attn[{key!r}] is derived from the LlamaConfig fields; set those instead")
             if key not in fields:
                 raise ValueError(f"attn[{key!r}] is not an AttentionConfig field; choices: "
-                                 f"{sorted(fields - set(_DERIVED))}")
+                                 f"{sorted(fields - set(DERIVED_ATTENTION_FIELDS))}")
         _ = self.attention  # builds the AttentionConfig now, so a bad attention field fails here
 
     @property

@@ -105,11 +105,41 @@ def config_json(config) -> dict:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
+PATH_FIELDS = (("init_from",), ("data", "tokenizer"), ("data", "paths"), ("data", "eval_paths"))
+
+
+def with_absolute_paths(config: dict) -> dict:
+    """`config` (JSON data) with the paths of `PATH_FIELDS` that are relative made absolute against the working
+    directory (`~` expanded; glob patterns stay patterns; `paths` given as a comma-separated string become a list):
+    what a checkpoint stores, so that its run loads and evaluates from any directory, and what a resume compares."""
+    def absolute(path):
+        if not isinstance(path, str) or not path:
+            return path
+        path = os.path.expanduser(path)
+        return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+    config = json.loads(json.dumps(config))
+    for field in PATH_FIELDS:
+        section = config
+        for key in field[:-1]:
+            section = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or section.get(field[-1]) is None:
+            continue
+        value = section[field[-1]]
+        if field[-1] == "tokenizer" or field == ("init_from",):
+            section[field[-1]] = absolute(value)
+        else:
+            patterns = value.split(",") if isinstance(value, str) else value
+            section[field[-1]] = [absolute(p.strip()) if isinstance(p, str) else p for p in patterns
+                                  if not isinstance(p, str) or p.strip()]
+    return config
+
+
 def stored_config(meta: dict) -> dict:
-    """The config (JSON data) a checkpoint's `meta` records, with `init_from` as the run resolved it: the config
-    keeps the path as given, which may be relative to the directory the run started in, and `meta["init_from"]` is
-    absolute (runs stored by 0.6.15 and earlier hold the path as given in both)."""
+    """The config (JSON data) a checkpoint's `meta` records, its paths absolute (`with_absolute_paths`; runs stored
+    by 0.6.16 and earlier hold them as given, relative to the directory the run started in, and are read against the
+    working directory as before, except `init_from`, which `meta["init_from"]` holds absolute since 0.6.16)."""
     config = dict(meta["config"])
     if meta.get("init_from"):
         config["init_from"] = meta["init_from"]
-    return config
+    return with_absolute_paths(config)

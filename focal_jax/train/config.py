@@ -19,7 +19,7 @@ import ml_collections
 from focal_jax.data.config import FILE_SOURCES, DataConfig
 from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, unread_fields
 from focal_jax.nn.gpt2 import GPT2Config
-from focal_jax.nn.llama import FOCAL_SIZES, LlamaConfig, focal_config
+from focal_jax.nn.llama import DERIVED_ATTENTION_FIELDS, FOCAL_SIZES, LlamaConfig, focal_config
 from focal_jax.nn.lora import LoRAConfig
 from focal_jax.nn.retrofit import FocalConfig, FocusConfig, WindowConfig
 from focal_jax.train.optimizer import OptimConfig
@@ -258,9 +258,31 @@ def with_defaults(config: dict) -> dict:
 
 def config_differences(stored: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES`; a key
-    either side leaves out is read at its default (`with_defaults`), so a run stored before a key was added resumes
-    when the key holds its default now."""
-    return _differences(with_defaults(stored), with_defaults(current), "")
+    either side leaves out is read at its default (`with_defaults`, and `model` as the model it builds:
+    `built_model_section`), so a run stored before a key was added resumes when the key holds its default now."""
+    stored, current = with_defaults(stored), with_defaults(current)
+    built = built_model_section(stored.get("model")), built_model_section(current.get("model"))
+    if None not in built:
+        stored["model"], current["model"] = built
+    return _differences(stored, current, "")
+
+
+def built_model_section(section) -> dict | None:
+    """The `model` section of a config dict as the model config it builds (`model_config`): its family and every
+    field, defaults filled in, `size` spelled out, and (LlamaConfig) `attn` as every attention setting; so a section
+    that leaves out a default (`family: 'llama'`, `attn.focal_t`) compares equal to one that writes it. None when
+    the section builds no model config (it is then compared as written)."""
+    try:
+        family, model = model_config(_as_dict(section))
+    except (ValueError, TypeError):
+        return None
+    if model is None:  # family 'hf'
+        return {"family": family, "remat": _as_dict(section).get("remat", False)}
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    if family == "llama":
+        attention = dataclasses.asdict(model.attention)
+        fields["attn"] = {k: v for k, v in attention.items() if k not in DERIVED_ATTENTION_FIELDS}
+    return json.loads(json.dumps({"family": family, **fields}, default=str))
 
 
 def _differences(stored: dict, current: dict, prefix: str) -> list[str]:

@@ -397,7 +397,8 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
         _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(checkpoint.stored_config(stored), checkpoint.config_json(config))
+        diffs = config_differences(checkpoint.stored_config(stored),
+                                   checkpoint.with_absolute_paths(checkpoint.config_json(config)))
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
@@ -475,9 +476,9 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         log(f"resumed from {checkpoint.checkpoint_dir(workdir)} at step {start_step}")
         warn_if_schedule_changed(stored["config"], run, resume_step)
     manager.close()
-    meta = {"config": checkpoint.config_json(config), "init_from": run.init_from, "init_from_step": init_from_step,
-            "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable),
-            "data": data_fingerprint(data)}
+    meta = {"config": checkpoint.with_absolute_paths(checkpoint.config_json(config)), "init_from": run.init_from,
+            "init_from_step": init_from_step, "params_scope": "trainable" if run.init_from else "all",
+            "trainable": param_paths(trainable), "data": data_fingerprint(data)}
 
     # ---------------------------------------------------------------- Compiled steps
     train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype], balance_weight=run.balance_weight)
