@@ -223,9 +223,10 @@ def test_task_kwargs_is_a_section():
 
 
 def test_a_model_section_compares_as_the_model_it_builds():
-    """A resume compares `model` as the model config it builds: leaving out a default (`family: 'llama'`, an
-    attention setting) or naming a Focal size instead of its fields is the same config (both were 'a different
-    config'); a changed setting is named by its key, and a section that builds nothing is compared as written."""
+    """A resume compares `model` and `retrofit` as the configs they build: leaving out a default (`family: 'llama'`,
+    an attention setting, Focus's tau) or naming a Focal size instead of its fields is the same config (each was 'a
+    different config'); a changed setting is named by its key, and a section that builds nothing is compared as
+    written."""
     llama = {"family": "llama", "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "intermediate": 128,
              "attn": {"kind": "focal", "focal_t": 0.4}}
     without_defaults = {k: v for k, v in llama.items() if k != "family"} | {"attn": {"kind": "focal"}}
@@ -244,6 +245,17 @@ def test_a_model_section_compares_as_the_model_it_builds():
         "model.remat: False (stored) vs True (now)"]
     assert config_differences({"model": {"d_model": 64, "bogus": 1}}, {"model": {"d_model": 64}}) == [
         "model.bogus: 1 (stored) vs None (now)"]
+    focus = {"groups": 4, "dim": 16, "window": 8}
+    assert config_differences({"retrofit": {"focus": focus}}, {"retrofit": {"focus": focus | {"tau": 0.1},
+                                                                            "focal": None}}) == []
+    assert config_differences({"retrofit": {"focus": focus}}, {"retrofit": {"focus": focus | {"tau": 0.2}}}) == [
+        "retrofit.focus.tau: 0.1 (stored) vs 0.2 (now)"]
+    assert config_differences({"retrofit": {"focal": {}}}, {"retrofit": {"focal": {"t": 0.4}}}) == []
+    assert config_differences({"retrofit": {"window": 8}}, {"retrofit": {"window": 9}}) == [
+        "retrofit.window: 8 (stored) vs 9 (now)"]
+    assert config_differences({"retrofit": {}}, {"retrofit": {"focal": {}}}) == [
+        "retrofit.focal: None (stored) vs {'t': 0.4, 'learned': False, 'tau_min': 5.0, 'tau_max': 10.0, "
+        "'tau_mode': 'prefix'} (now)"]
 
 
 def test_optimizer_is_adamw_after_global_norm_clipping():

@@ -151,6 +151,30 @@ def model_config(section: dict) -> tuple[str, LlamaConfig | GPT2Config | None]:
     return family, focal_config(size, **section)
 
 
+RETROFITS = {"focal": FocalConfig, "focus": FocusConfig, "lora": LoRAConfig}
+
+
+def retrofit_configs(section: dict) -> list:
+    """The retrofit configs of the `retrofit` section, in the order they apply: `WindowConfig` (`window`), then
+    `FocalConfig`, `FocusConfig` and `LoRAConfig` (`focal`, `focus`, `lora`: each a dict of its fields, `{}` for its
+    defaults, None for none)."""
+    _check_keys("retrofit.", section, ("focus", "focal", "lora", "window"))
+    retrofit = []
+    window = section.get("window")
+    if window is not None:
+        if section.get("focus") is not None:
+            raise ValueError(f"retrofit.window={window!r} and retrofit.focus do not go together: Focus has its own "
+                             f"local window (retrofit.focus.window)")
+        try:
+            retrofit.append(WindowConfig(window))
+        except ValueError as e:
+            raise ValueError(f"retrofit.window: {e}") from None
+    for name, cls in RETROFITS.items():
+        if section.get(name) is not None:  # {} too: e.g. Focal with its defaults
+            retrofit.append(_dataclass(cls, f"retrofit.{name}.", _as_dict(section[name])))
+    return retrofit
+
+
 def check_attention_fields(model: LlamaConfig | GPT2Config | None) -> None:
     """ValueError naming the attention settings of `model` that its attention kind does not read (e.g.
     `model.attn.focal_t=0.3` with kind 'dense'): the run would train another attention than the one asked for.
@@ -195,21 +219,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
             raise ValueError(f"mesh.{axis} must be an integer >= 1 or -1 (the rest of the devices), got "
                              f"mesh.{axis}={size!r}")
-    retrofit_section = _as_dict(merged["retrofit"])
-    _check_keys("retrofit.", retrofit_section, ("focus", "focal", "lora", "window"))
-    retrofit = []
-    window = retrofit_section.get("window")
-    if window is not None:
-        if retrofit_section.get("focus") is not None:
-            raise ValueError(f"retrofit.window={window!r} and retrofit.focus do not go together: Focus has its own "
-                             f"local window (retrofit.focus.window)")
-        try:
-            retrofit.append(WindowConfig(window))
-        except ValueError as e:
-            raise ValueError(f"retrofit.window: {e}") from None
-    for name, cls in (("focal", FocalConfig), ("focus", FocusConfig), ("lora", LoRAConfig)):
-        if retrofit_section.get(name) is not None:  # {} too: e.g. Focal with its defaults
-            retrofit.append(_dataclass(cls, f"retrofit.{name}.", _as_dict(retrofit_section[name])))
+    retrofit = retrofit_configs(_as_dict(merged["retrofit"]))
+    window = _as_dict(merged["retrofit"]).get("window")
     family, model = model_config(_as_dict(merged["model"]))
     if window is not None and model is not None and model.attention.kind in FOCUS_KINDS:
         raise ValueError(f"retrofit.window={window!r} cannot go on model attention kind={model.attention.kind!r}: "
@@ -246,7 +257,8 @@ def task_kwargs_dict(value) -> dict:
 def with_defaults(config: dict) -> dict:
     """A config dict (`checkpoint.config_json`) with the keys it leaves out (which `check_config` reads at their
     defaults) filled in: the top-level keys and the fields of the sections `data`, `optim` and `mesh` (`model` and
-    `retrofit` stay as given: their keys depend on the model family and on which retrofits are set). So a stored
+    `retrofit` stay as given: their keys depend on the model family and on which retrofits are set;
+    `config_differences` compares them as the configs they build). So a stored
     config and the same config with a default written out compare equal, and a resume can read any key."""
     defaults = json.loads(default_config().to_json_best_effort(sort_keys=True))
     complete = {**defaults, **config}
@@ -258,12 +270,14 @@ def with_defaults(config: dict) -> dict:
 
 def config_differences(stored: dict, current: dict) -> list[str]:
     """Dotted keys whose values differ between two config dicts (nested), ignoring `RESUMABLE_CHANGES`; a key
-    either side leaves out is read at its default (`with_defaults`, and `model` as the model it builds:
-    `built_model_section`), so a run stored before a key was added resumes when the key holds its default now."""
+    either side leaves out is read at its default (`with_defaults`; `model` and `retrofit` as the configs they
+    build: `built_model_section`, `built_retrofit_section`), so a run stored before a key was added resumes when the
+    key holds its default now."""
     stored, current = with_defaults(stored), with_defaults(current)
-    built = built_model_section(stored.get("model")), built_model_section(current.get("model"))
-    if None not in built:
-        stored["model"], current["model"] = built
+    for key, built_section in (("model", built_model_section), ("retrofit", built_retrofit_section)):
+        built = built_section(stored.get(key)), built_section(current.get(key))
+        if None not in built:
+            stored[key], current[key] = built
     return _differences(stored, current, "")
 
 
@@ -283,6 +297,20 @@ def built_model_section(section) -> dict | None:
         attention = dataclasses.asdict(model.attention)
         fields["attn"] = {k: v for k, v in attention.items() if k not in DERIVED_ATTENTION_FIELDS}
     return json.loads(json.dumps({"family": family, **fields}, default=str))
+
+
+def built_retrofit_section(section) -> dict | None:
+    """The `retrofit` section of a config dict as the retrofit configs it builds (`retrofit_configs`): each one set,
+    with every field (`window` as its number), so a field left at its default compares equal to one written out.
+    None when the section builds none (it is then compared as written)."""
+    try:
+        configs = retrofit_configs(_as_dict(section or {}))
+    except (ValueError, TypeError):
+        return None
+    names = {cls: name for name, cls in RETROFITS.items()}
+    built = {names[type(c)]: dataclasses.asdict(c) for c in configs if type(c) in names}
+    built.update({"window": c.window for c in configs if isinstance(c, WindowConfig)})
+    return json.loads(json.dumps(built, default=str))
 
 
 def _differences(stored: dict, current: dict, prefix: str) -> list[str]:
