@@ -23,7 +23,9 @@ class DataConfig:
       source: 'builtin' (CPython's own documentation, no download) | 'text' (each file one document) | 'jsonl'
         (one document per line, key `field`) | 'parquet' (column `field`) | 'array_record' (one utf-8 document per
         record) | 'synthetic' (prompt + answer of the synthetic task `task`).
-      paths: glob patterns of the files of a file source; a list or a comma-separated string is accepted.
+      paths: glob patterns of the files of a file source; a list or a comma-separated string is accepted. Relative
+        ones are read against the working directory (a training run's checkpoints record them, `eval_paths` and
+        `tokenizer` absolute).
       field: the jsonl key / parquet column holding the text.
       task: the synthetic task: 'associative_recall' | 'needle' | 'json_kv' | 'frequent_words'.
       task_kwargs: options of the synthetic task (e.g. n_pairs), stored as sorted (key, value) pairs; a dict is
