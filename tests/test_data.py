@@ -644,6 +644,20 @@ def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its
             main(["--source", "synthetic", "--task_kwargs", bad])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--source", "bultin"], "unknown source='bultin'"),
+    (["--vocab_size", "0"], "vocab_size must be an integer >= 262"),
+    (["--source", "text", "--paths", "no_such_dir/*.txt"], "no file matches the pattern 'no_such_dir/*.txt'"),
+    (["--source", "text", "--paths", __file__, "--eval_paths", "no_such_dir/*.txt"], "no file matches")])
+def test_tokenizer_command_names_a_bad_setting_as_a_usage_error(argv, message, capsys):
+    """A bad data setting is argparse's one-line error (status 2) naming it; it was DataConfig's traceback."""
+    from focal_jax.data.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Edge cases: boundaries, seeds, sharding, resume positions, validation
 

@@ -4,6 +4,7 @@ import json
 import os
 
 import ml_collections
+import pytest
 
 from focal_jax.eval import reproduce
 
@@ -74,3 +75,11 @@ def test_render_lists_the_claims_that_do_not_hold_and_those_within_the_noise(tmp
     lines = text.splitlines()
     assert "**Where the direction does not hold at our scale** ('no'): focal: claim no." in lines
     assert "**Within the noise** ('unclear'): focal: claim unclear." in lines
+
+
+def test_help_gives_the_whole_first_sentence(capsys):
+    """`--help` ended "... evaluates, plots, and writes": the description was the docstring's first line only."""
+    with pytest.raises(SystemExit) as info:
+        reproduce.main(["--help"])
+    assert info.value.code == 0
+    assert "plots, and writes REPRODUCTION.md." in " ".join(capsys.readouterr().out.split())

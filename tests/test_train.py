@@ -640,6 +640,32 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+@pytest.mark.parametrize("where, args, message", [
+    ("outside", ["--config", "experiments/quickstart.py:runlocal"], "no file 'experiments/quickstart.py'"),
+    ("outside", ["--config=experiments/quickstart.py", "--config.total_steps=2"],
+     "no file 'experiments/quickstart.py'"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.totl_steps=3"],
+     "unknown config key totl_steps"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.source=txt"], "unknown source='txt'"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.mesh.data=0"], "mesh.data must be"),
+    ("root", ["--config", "experiments/quickstart.py:runlocl"], "unknown config argument 'runlocl'"),
+    ("root", ["--config", "experiments/focus_retrofit.py:init_from=no_such_run,runlocal"],
+     "init_from='no_such_run' is not a directory"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--workdir", "gs://bucket/run"], "is a URL")])
+def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args, message):
+    """A config file missing (a relative path from outside the repository: experiments/ is not installed), a bad
+    key or value in it, or an error of its `get_config` ends in one line naming it, status 2 (ml_collections' and
+    the trainer's tracebacks before)."""
+    workdir = [] if "--workdir" in args else ["--workdir", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-m", "focal_jax.train", *args, *workdir],
+                          cwd=str(tmp_path) if where == "outside" else ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m focal_jax.train: error: ") and message in lines[0], lines
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_cli_names_a_missing_process_id(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")}
     proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path)],

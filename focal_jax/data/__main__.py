@@ -35,13 +35,19 @@ def main(argv=None) -> str:
     parser.add_argument("--cache_dir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    config = DataConfig(source=args.source, paths=tuple(args.paths), field=args.field, vocab_size=args.vocab_size,
-                        eval_fraction=args.eval_fraction, eval_paths=tuple(args.eval_paths),
-                        streaming=args.streaming, cache_dir=args.cache_dir, task=args.task,
-                        task_kwargs=_task_kwargs(parser, args.task_kwargs), n_synthetic=args.n_synthetic)
+    task_kwargs = _task_kwargs(parser, args.task_kwargs)
+    try:  # a bad setting (an unknown source, a pattern matching no file) as a one-line usage error, naming it
+        config = DataConfig(source=args.source, paths=tuple(args.paths), field=args.field,
+                            vocab_size=args.vocab_size, eval_fraction=args.eval_fraction,
+                            eval_paths=tuple(args.eval_paths), streaming=args.streaming, cache_dir=args.cache_dir,
+                            task=args.task, task_kwargs=task_kwargs, n_synthetic=args.n_synthetic)
+        paths = expand_paths(config.paths)
+        expand_paths(config.eval_paths)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
     with contextlib.redirect_stdout(sys.stderr):  # progress lines: stdout holds the path alone
         if config.streaming:
-            train_docs = tokenizer_sample(config, expand_paths(config.paths))
+            train_docs = tokenizer_sample(config, paths)
         elif config.eval_paths:
             train_docs = read_documents(config)
         else:

@@ -725,7 +725,7 @@ def render(out: str, markdown: str) -> str:
 def main(argv=None) -> dict:
     """Run the selected studies (all by default), each writing its JSON and PNGs, then render REPRODUCTION.md.
     A study that fails is reported and the others still run. Returns {study: JSON path or the error}."""
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=COMMAND, description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--only", default="", help=f"comma-separated studies (default all): {', '.join(STUDIES)}")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results JSON and PNGs (default experiments/reproduction)")
     parser.add_argument("--markdown", default=DEFAULT_MARKDOWN, help="the REPRODUCTION.md to write")

@@ -6,6 +6,7 @@ environment describes several processes: a Cloud TPU pod slice, a SLURM job with
 """
 
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -30,6 +31,43 @@ def multi_process_environment() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def _fail(message: str):
+    """A usage error as one line on stderr (status 2), not a traceback."""
+    print(f"python -m focal_jax.train: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def config_file(argv) -> str | None:
+    """The file part of `--config FILE[:ARG]` in `argv` (None when absent)."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        name, eq, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name == "config":
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            return value.split(":", 1)[0]
+    return None
+
+
+def parse_flags(argv):
+    """absl's parsing, with each error one line naming the bad value: a `--config` file that does not exist
+    (ml_collections ends in a traceback, and only once the config is read) and an error of the file's `get_config`
+    (ml_collections gives its whole traceback) included."""
+    path = config_file(argv[1:])
+    if path and not os.path.isfile(path):
+        _fail(f"--config: no file {path!r} (relative paths are from the working directory {os.getcwd()}; the "
+              f"experiments/ files are in the repository, not installed with the package: run from its root or give "
+              f"their path)")
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        message = str(e)
+        if "Error whilst parsing config file:" in message:  # the exception's own line ends the traceback
+            message = f"--config {path}: " + message.strip().splitlines()[-1].strip()
+        _fail(message)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
@@ -46,10 +84,14 @@ def main(argv):
                           num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                           process_id=int(os.environ["JAX_PROCESS_ID"]))
         jax.distributed.initialize(**kwargs)
-    from focal_jax.train.trainer import train  # after initialize(): no JAX backend may start before it
+    from focal_jax.train.trainer import check_run, train  # after initialize(): no JAX backend may start before it
 
+    try:  # the config's own mistakes (an unknown key, a bad value) as one line naming them; train checks them again
+        check_run(flags.FLAGS.config, flags.FLAGS.workdir)
+    except ValueError as e:
+        _fail(str(e))
     train(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

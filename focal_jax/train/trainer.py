@@ -377,6 +377,19 @@ def saves_finished(manager):
         manager.wait_until_finished()
 
 
+def check_run(config, workdir: str) -> RunConfig:
+    """The checked config of a run of `config` in `workdir` (`check_config`, with the attention and data settings
+    it would ignore refused); ValueError naming a bad setting, or a `workdir` that is a URL (metrics, plots and the
+    tokenizer copy are written with file operations)."""
+    run = check_config(config)
+    check_attention_fields(run.model)
+    check_data_fields(run.data)
+    if "://" in workdir:
+        raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
+                         f"a network file system): metrics, plots and the tokenizer copy are written as local files")
+    return run
+
+
 def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     """Train as `config` (an `ml_collections.ConfigDict`, see `focal_jax.train.config`) says, in `workdir`.
 
@@ -384,12 +397,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     step is done, as a preemption would (tests use it). Returns the train metrics records logged by this call.
     """
     # ---------------------------------------------------------------- Config, devices, workdir
-    run = check_config(config)
-    check_attention_fields(run.model)
-    check_data_fields(run.data)
-    if "://" in workdir:
-        raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
-                         f"a network file system): metrics, plots and the tokenizer copy are written as local files")
+    run = check_run(config, workdir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     mesh = make_mesh(run.mesh)
     check_batch_layout(mesh, run.batch_size, jax.process_count())
