@@ -105,13 +105,14 @@ def config_json(config) -> dict:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
-PATH_FIELDS = (("init_from",), ("data", "tokenizer"), ("data", "paths"), ("data", "eval_paths"))
+PATHS = (("init_from",), ("data", "tokenizer"))  # config fields holding a path
+PATTERNS = (("data", "paths"), ("data", "eval_paths"))  # config fields holding glob patterns
 
 
 def with_absolute_paths(config: dict) -> dict:
-    """`config` (JSON data) with the paths of `PATH_FIELDS` that are relative made absolute against the working
-    directory (`~` expanded; glob patterns stay patterns; `paths` given as a comma-separated string become a list):
-    what a checkpoint stores, so that its run loads and evaluates from any directory, and what a resume compares."""
+    """`config` (JSON data) with the relative paths of its `PATHS` and `PATTERNS` fields made absolute against the
+    working directory (`~` expanded; glob patterns stay patterns, as a list): what a checkpoint stores, so that its
+    run loads and evaluates from any directory, and what a resume compares."""
     def absolute(path):
         if not isinstance(path, str) or not path:
             return path
@@ -119,16 +120,16 @@ def with_absolute_paths(config: dict) -> dict:
         return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
     config = json.loads(json.dumps(config))
-    for field in PATH_FIELDS:
+    for field in PATHS + PATTERNS:
         section = config
         for key in field[:-1]:
             section = section.get(key) if isinstance(section, dict) else None
         if not isinstance(section, dict) or section.get(field[-1]) is None:
             continue
         value = section[field[-1]]
-        if field[-1] == "tokenizer" or field == ("init_from",):
+        if field in PATHS:
             section[field[-1]] = absolute(value)
-        else:
+        else:  # a list, or a comma-separated string (`DataConfig.paths`)
             patterns = value.split(",") if isinstance(value, str) else value
             section[field[-1]] = [absolute(p.strip()) if isinstance(p, str) else p for p in patterns
                                   if not isinstance(p, str) or p.strip()]
@@ -136,10 +137,6 @@ def with_absolute_paths(config: dict) -> dict:
 
 
 def stored_config(meta: dict) -> dict:
-    """The config (JSON data) a checkpoint's `meta` records, its paths absolute (`with_absolute_paths`; runs stored
-    by 0.6.16 and earlier hold them as given, relative to the directory the run started in, and are read against the
-    working directory as before, except `init_from`, which `meta["init_from"]` holds absolute since 0.6.16)."""
-    config = dict(meta["config"])
-    if meta.get("init_from"):
-        config["init_from"] = meta["init_from"]
-    return with_absolute_paths(config)
+    """The config (JSON data) a checkpoint's `meta` records, its paths absolute (`with_absolute_paths`: runs stored
+    by 0.6.15 and earlier hold them as given, and they are read against the working directory, as they were)."""
+    return with_absolute_paths(meta["config"])

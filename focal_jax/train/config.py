@@ -258,8 +258,8 @@ def with_defaults(config: dict) -> dict:
     """A config dict (`checkpoint.config_json`) with the keys it leaves out (which `check_config` reads at their
     defaults) filled in: the top-level keys and the fields of the sections `data`, `optim` and `mesh` (`model` and
     `retrofit` stay as given: their keys depend on the model family and on which retrofits are set;
-    `config_differences` compares them as the configs they build). So a stored
-    config and the same config with a default written out compare equal, and a resume can read any key."""
+    `config_differences` compares them as the configs they build). So a stored config and the same config with a
+    default written out compare equal, and a resume can read any key."""
     defaults = json.loads(default_config().to_json_best_effort(sort_keys=True))
     complete = {**defaults, **config}
     for section in ("data", "optim", "mesh"):
