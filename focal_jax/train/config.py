@@ -220,7 +220,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
             raise ValueError(f"mesh.{axis} must be an integer >= 1 or -1 (the rest of the devices), got "
                              f"mesh.{axis}={size!r}")
     retrofit = retrofit_configs(_as_dict(merged["retrofit"]))
-    window = _as_dict(merged["retrofit"]).get("window")
+    window = next((c.window for c in retrofit if isinstance(c, WindowConfig)), None)
     family, model = model_config(_as_dict(merged["model"]))
     if window is not None and model is not None and model.attention.kind in FOCUS_KINDS:
         raise ValueError(f"retrofit.window={window!r} cannot go on model attention kind={model.attention.kind!r}: "

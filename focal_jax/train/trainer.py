@@ -398,6 +398,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     """
     # ---------------------------------------------------------------- Config, devices, workdir
     run = check_run(config, workdir)
+    config_data = checkpoint.with_absolute_paths(checkpoint.config_json(config))  # what checkpoints store
     workdir = os.path.abspath(os.path.expanduser(workdir))
     mesh = make_mesh(run.mesh)
     check_batch_layout(mesh, run.batch_size, jax.process_count())
@@ -405,8 +406,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     resume_step, stored = manager.latest_step(), None
     if resume_step is not None:
         _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(checkpoint.stored_config(stored),
-                                   checkpoint.with_absolute_paths(checkpoint.config_json(config)))
+        diffs = config_differences(checkpoint.stored_config(stored), config_data)
         if diffs:
             raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
                              f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
@@ -484,9 +484,9 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         log(f"resumed from {checkpoint.checkpoint_dir(workdir)} at step {start_step}")
         warn_if_schedule_changed(stored["config"], run, resume_step)
     manager.close()
-    meta = {"config": checkpoint.with_absolute_paths(checkpoint.config_json(config)), "init_from": run.init_from,
-            "init_from_step": init_from_step, "params_scope": "trainable" if run.init_from else "all",
-            "trainable": param_paths(trainable), "data": data_fingerprint(data)}
+    meta = {"config": config_data, "init_from": run.init_from, "init_from_step": init_from_step,
+            "params_scope": "trainable" if run.init_from else "all", "trainable": param_paths(trainable),
+            "data": data_fingerprint(data)}
 
     # ---------------------------------------------------------------- Compiled steps
     train_step, eval_step = make_steps(graphdef, tx, DTYPES[run.compute_dtype], balance_weight=run.balance_weight)
