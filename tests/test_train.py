@@ -666,6 +666,15 @@ def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args,
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.parametrize("flag", ["--help", "--helpfull"])
+def test_cli_help_is_a_success(tmp_path, flag):
+    """absl's `--help` printed the usage and exited with status 1, as a failure would."""
+    done = subprocess.run([sys.executable, "-m", "focal_jax.train", flag], cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--workdir" in done.stdout and "python -m focal_jax.train --config" in done.stdout, done.stdout
+
+
 def test_cli_names_a_missing_process_id(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS")}
     proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path)],

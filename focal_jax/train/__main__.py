@@ -31,6 +31,9 @@ def multi_process_environment() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+HELP_FLAGS = ("-?", "--help", "-help", "--helpshort", "-helpshort", "--helpfull", "-helpfull")
+
+
 def _fail(message: str):
     """A usage error as one line on stderr (status 2), not a traceback."""
     print(f"python -m focal_jax.train: error: {message}", file=sys.stderr)
@@ -61,6 +64,10 @@ def parse_flags(argv):
               f"their path)")
     try:
         return flags.FLAGS(argv)
+    except SystemExit as e:  # absl's --help exits with status 1; asked-for help is a success, as in argparse
+        if e.code == 1 and any(arg.split("=", 1)[0] in HELP_FLAGS for arg in argv[1:]):
+            sys.exit(0)
+        raise
     except flags.Error as e:
         message = str(e)
         if "Error whilst parsing config file:" in message:  # the exception's own line ends the traceback
