@@ -651,7 +651,14 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
     ("root", ["--config", "experiments/quickstart.py:runlocl"], "unknown config argument 'runlocl'"),
     ("root", ["--config", "experiments/focus_retrofit.py:init_from=no_such_run,runlocal"],
      "init_from='no_such_run' is not a directory"),
-    ("root", ["--config", "experiments/quickstart.py:runlocal", "--workdir", "gs://bucket/run"], "is a URL")])
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--workdir", "gs://bucket/run"], "is a URL"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.source=text",
+              "--config.data.paths=no_such_dir/*.txt"], "data.paths: no file matches the pattern 'no_such_dir/*.txt'"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.source=text",
+              "--config.data.paths=README.md", "--config.data.eval_paths=no_such.txt"],
+     "data.eval_paths: no file matches the pattern 'no_such.txt'"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.tokenizer=no_such.model"],
+     "data.tokenizer='no_such.model' is not a file")])
 def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args, message):
     """A config file missing (a relative path from outside the repository: experiments/ is not installed), a bad
     key or value in it, or an error of its `get_config` ends in one line naming it, status 2 (ml_collections' and
@@ -664,6 +671,24 @@ def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args,
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m focal_jax.train: error: ") and message in lines[0], lines
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_cli_names_a_run_the_config_cannot_resume_in_one_line(tmp_path, cache_dir):
+    """A workdir holding a run of another config, or a step past total_steps, ended in the trainer's traceback."""
+    workdir = str(tmp_path / "run")
+    train(tiny(cache_dir, total_steps=1), workdir)
+    same = ["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
+            f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8", "--config.eval_batches=0"]
+    for override, message in [("--config.seed=1", "holds a run of a different config (step 1); use a new workdir. "
+                                                   "Differences: seed: 0 (stored) vs 1 (now)"),
+                              ("--config.total_steps=0", "holds a checkpoint at step 1, past total_steps=0")]:
+        done = subprocess.run([sys.executable, "-m", "focal_jax.train", *same, override], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("python -m focal_jax.train: error: workdir ") and \
+            message in lines[0], lines
+    assert latest_step(workdir) == 1
 
 
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
@@ -1053,8 +1078,7 @@ def assert_fails_cleanly(config, workdir, match, error=ValueError):
 def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
     config = tiny(cache_dir)
     config.data.update(source="text", paths=(str(tmp_path / "missing" / "*.txt"),))
-    assert_fails_cleanly(config, str(tmp_path / "a"), "no file matches the pattern .*missing/\\*.txt",
-                         FileNotFoundError)
+    assert_fails_cleanly(config, str(tmp_path / "a"), "data.paths: no file matches the pattern .*missing/\\*.txt")
 
     config = tiny(cache_dir)
     config.optim.lr_peak = 1.0

@@ -93,7 +93,9 @@ def main(argv):
         jax.distributed.initialize(**kwargs)
     from focal_jax.train.trainer import check_run, train  # after initialize(): no JAX backend may start before it
 
-    try:  # the config's own mistakes (an unknown key, a bad value) as one line naming them; train checks them again
+    # The config's mistakes (an unknown key, a bad value, a workdir holding another run) as one line naming them;
+    # train checks them again.
+    try:
         check_run(flags.FLAGS.config, flags.FLAGS.workdir)
     except ValueError as e:
         _fail(str(e))

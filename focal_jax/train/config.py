@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from focal_jax.data.config import FILE_SOURCES, DataConfig
+from focal_jax.data.sources import expand_paths
 from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, unread_fields
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import DERIVED_ATTENTION_FIELDS, FOCAL_SIZES, LlamaConfig, focal_config
@@ -193,6 +194,20 @@ def check_data_fields(data: DataConfig) -> None:
     if data.paths and data.source not in FILE_SOURCES:
         raise ValueError(f"data.paths={list(data.paths)} names files, but data.source={data.source!r} reads none: set "
                          f"data.source to the files' format ({', '.join(FILE_SOURCES)}), or leave paths out")
+
+
+def check_data_files(data: DataConfig) -> None:
+    """ValueError naming a pattern of `data.paths` / `data.eval_paths` that matches no file, or a `data.tokenizer`
+    that is not a file (before the run builds its data, which would say so in a traceback)."""
+    where = f"relative paths are from the working directory {os.getcwd()}"
+    for name in ("paths", "eval_paths"):
+        try:
+            expand_paths(getattr(data, name))
+        except FileNotFoundError as e:
+            raise ValueError(f"data.{name}: {e} ({where})") from None
+    if data.tokenizer and not os.path.isfile(os.path.expanduser(data.tokenizer)):
+        raise ValueError(f"data.tokenizer={data.tokenizer!r} is not a file ({where}; a SentencePiece .model or a "
+                         f"Hugging Face tokenizer.json)")
 
 
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:

@@ -29,7 +29,7 @@ from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, RunConfig, check_attention_fields, check_config, check_data_fields,
-                                    config_differences, with_defaults)
+                                    check_data_files, config_differences, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -377,17 +377,36 @@ def saves_finished(manager):
         manager.wait_until_finished()
 
 
-def check_run(config, workdir: str) -> RunConfig:
-    """The checked config of a run of `config` in `workdir` (`check_config`, with the attention and data settings
-    it would ignore refused); ValueError naming a bad setting, or a `workdir` that is a URL (metrics, plots and the
-    tokenizer copy are written with file operations)."""
+def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict | None]:
+    """`(run, config_data, resume_step, stored)` for a run of `config` in `workdir`: the checked config
+    (`check_config`, with the attention and data settings it would ignore refused), the config as checkpoints store
+    it, and, when `workdir` holds a run, its latest step and that checkpoint's meta (both None otherwise).
+    ValueError naming a bad setting, a `workdir` that is a URL (metrics, plots and the tokenizer copy are written
+    with file operations), a run there that this config cannot resume (another config, or a step past
+    `total_steps`), or a data file that is missing (`check_data_files`)."""
     run = check_config(config)
     check_attention_fields(run.model)
     check_data_fields(run.data)
     if "://" in workdir:
         raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
                          f"a network file system): metrics, plots and the tokenizer copy are written as local files")
-    return run
+    config_data = checkpoint.with_absolute_paths(checkpoint.config_json(config))
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    resume_step, stored = None, None
+    saved = checkpoint.saved_steps(workdir)
+    if saved:
+        resume_step = saved[-1]
+        stored = checkpoint.read_meta(workdir, resume_step)[1]
+        diffs = config_differences(checkpoint.stored_config(stored), config_data)
+        if diffs:
+            raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
+                             f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
+        if resume_step > run.total_steps:
+            raise ValueError(f"workdir {workdir} holds a checkpoint at step {resume_step}, past "
+                             f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
+                             f"new workdir")
+    check_data_files(run.data)
+    return run, config_data, resume_step, stored
 
 
 def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
@@ -397,23 +416,11 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     step is done, as a preemption would (tests use it). Returns the train metrics records logged by this call.
     """
     # ---------------------------------------------------------------- Config, devices, workdir
-    run = check_run(config, workdir)
-    config_data = checkpoint.with_absolute_paths(checkpoint.config_json(config))  # what checkpoints store
+    run, config_data, resume_step, stored = check_run(config, workdir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     mesh = make_mesh(run.mesh)
     check_batch_layout(mesh, run.batch_size, jax.process_count())
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
-    resume_step, stored = manager.latest_step(), None
-    if resume_step is not None:
-        _, stored = checkpoint.read_meta(workdir, resume_step)
-        diffs = config_differences(checkpoint.stored_config(stored), config_data)
-        if diffs:
-            raise ValueError(f"workdir {workdir} holds a run of a different config (step {resume_step}); "
-                             f"use a new workdir. Differences: " + "; ".join(diffs[:8]))
-        if resume_step > run.total_steps:
-            raise ValueError(f"workdir {workdir} holds a checkpoint at step {resume_step}, past "
-                             f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
-                             f"new workdir")
     log(f"devices: {jax.device_count()} ({jax.devices()[0].device_kind}) in {jax.process_count()} process(es), "
         f"mesh {dict(mesh.shape)}; workdir {workdir}")
 
