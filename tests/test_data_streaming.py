@@ -155,6 +155,18 @@ def test_stream_equals_in_memory_rows_and_eval_batches(tmp_path, cache_dir, fmt)
     assert_batches_equal(stream.eval_batches(1), in_memory.eval_batches(1))
 
 
+def test_eval_batches_grow_lazily_without_repeating_rows(tmp_path, cache_dir):
+    """The stream's evaluation rows are read only as far as asked, then kept: asking for more batches later
+    continues where the first call stopped, so the batches equal the in-memory pipeline's at every count."""
+    pattern = write_corpus(str(tmp_path / "c"), DOCS, "jsonl")
+    in_memory = build(config(pattern, cache_dir, streaming=False, prefetch=2, shuffle=False, eval_fraction=0.3))
+    stream = build(config(pattern, cache_dir, shuffle=False, eval_fraction=0.3))
+    n_eval = -(-len(in_memory.eval_rows["inputs"]) // 4)
+    assert n_eval >= 3
+    for n in (1, 2, n_eval + 1):
+        assert_batches_equal(stream.eval_batches(n), in_memory.eval_batches(n))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Resume
 
@@ -245,6 +257,31 @@ def test_resume_errors(tmp_path, tokenizer_path, cache_dir):
     with open(os.path.join(os.path.dirname(cfg.paths[0]), "part999.jsonl"), "w") as f:
         f.write(json.dumps({"text": "a new file"}) + "\n")
     check_raises(lambda: train_iterator(build(cfg)).set_state(state), "changed", "4 files then, 5 now")
+
+
+def test_resume_refuses_a_state_of_as_many_files_with_other_names(tmp_path, tokenizer_path):
+    """The files digest guards a resume: a file renamed (same number of files, other names, so file `i` of the
+    state may now be another file) is refused, not resumed at positions meant for other files."""
+    cfg = resume_setup(tmp_path, tokenizer_path)
+    it = train_iterator(build(cfg))
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    directory = os.path.dirname(cfg.paths[0])
+    os.rename(os.path.join(directory, "part000.jsonl"), os.path.join(directory, "part999.jsonl"))
+    check_raises(lambda: train_iterator(build(cfg)).set_state(state), "changed", "4 files then, 4 now")
+
+
+def test_resume_refuses_a_state_that_skips_past_its_document(tmp_path, tokenizer_path):
+    """A state whose `skip` (tokens of the next document already emitted) is not inside that document cannot come
+    from these files and this tokenizer: the resume names the problem instead of packing garbage."""
+    cfg = resume_setup(tmp_path, tokenizer_path)
+    it = train_iterator(build(cfg))
+    next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    state["positions"][state["next"]]["skip"] = 10**6
+    resumed = train_iterator(build(cfg))
+    resumed.set_state(state)
+    check_raises(lambda: next(resumed), "cannot resume the data stream", "skips 1000000 tokens")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from focal_jax.data.tokenizer import train_tokenizer  # noqa: E402
-from focal_jax.eval.harness import FocalJaxLM, cut_at_stop, generation_settings, padded_length  # noqa: E402
+from focal_jax.eval.harness import (FocalJaxLM, cut_at_stop, generation_settings, padded_length,  # noqa: E402
+                                     score_window)
 from focal_jax.nn.gpt2 import GPT2, GPT2Config  # noqa: E402
 from focal_jax.nn.llama import Llama, LlamaConfig  # noqa: E402
 from focal_jax.train import train  # noqa: E402
@@ -291,6 +292,15 @@ def test_helpers_and_bad_input(model, tokenizer):
         lm.generate_until(requests(("hi", {})), disable_tqdm=True)
     with pytest.raises(ValueError, match="does not fit max_length=16"):
         lm.loglikelihood(requests(("a", " " + SENTENCES[0])), disable_tqdm=True)
+
+
+def test_score_window_of_a_continuation_as_long_as_max_length():
+    """A continuation of exactly `max_length` tokens fits: one context token conditions its first target, the
+    older context is dropped; one token longer does not fit."""
+    assert score_window([1, 2, 3], [4, 5, 6, 7], 4) == ([3, 4, 5, 6], [4, 5, 6, 7])
+    assert score_window([1, 2], [3], 4) == ([1, 2], [2, 3])
+    with pytest.raises(ValueError, match="does not fit max_length=4"):
+        score_window([1], [2, 3, 4, 5, 6], 4)
 
 
 @pytest.fixture

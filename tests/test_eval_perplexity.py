@@ -199,6 +199,8 @@ def test_bad_arguments_name_the_value(model):
         bad[key][0, 1] = value
         with pytest.raises(ValueError, match=rf"batch\['{key}'\] holds token id {value}, outside .*\[0, {VOCAB}\)"):
             evaluate_model(model, [bad])
+    with pytest.raises(ValueError, match="no target tokens"):  # no batches: a ValueError, not a ZeroDivisionError
+        evaluate_model(model, [])
     unscored = {**batch, "targets": batch["targets"].copy()}
     unscored["targets"][1, -1] = -1  # a target the loss mask leaves out may be anything
     assert unscored["loss_mask"][1, -1] == 0
@@ -321,6 +323,10 @@ def test_command_line_step_and_window(tmp_path):
     batches = load_run(workdir, n_batches=1).batches
     np.testing.assert_allclose(windowed, evaluate_model(built, batches)["loss"], rtol=1e-5)
     assert abs(windowed - trainer_losses[2]) > 1e-3
+    # at another length the default batch keeps the tokens per batch of training (8 rows of 32 -> 16 rows of 16)
+    half = load_run(workdir, n_batches=2, seq_len=16)
+    assert [b["inputs"].shape for b in half.batches] == [(16, 16)] * 2 and half.trained_seq_len == 32
+    assert load_run(workdir, n_batches=1, seq_len=16, batch_size=3).batches[0]["inputs"].shape == (3, 16)
 
 
 def test_topk_table_rows_evaluate_the_forms_they_name(model, monkeypatch):

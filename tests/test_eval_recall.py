@@ -100,6 +100,21 @@ def test_greedy_decode_errors():
     assert greedy_decode(model, [], max_new_tokens=2) == []
 
 
+@pytest.mark.parametrize("attn", [{}, {"kind": "focus", "focus_groups": 4, "focus_dim": 8, "focus_window": 2,
+                                   "focus_iters": 2}], ids=["dense_cached", "soft_focus_full_forward"])
+def test_a_gpt2_prompt_that_fills_its_position_table_exactly_decodes(attn):
+    """A prompt of n tokens with max_new_tokens = n_positions - n fits GPT-2's learned position table exactly: it is
+    decoded (equal to the naive loop; the full-forward buffer, bucketed to 10 slots, is cut to the 9 positions the
+    table has), not refused; one token more is refused."""
+    gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=9, d_model=16, n_layers=1, n_heads=2, **attn),
+                rngs=nnx.Rngs(0))
+    assert can_cache(gpt2) == (not attn)
+    prompt = [1, 5, 9, 2]
+    assert greedy_decode(gpt2, [prompt], max_new_tokens=5) == [_naive_greedy(gpt2, prompt, 5)]
+    with pytest.raises(ValueError, match=re.escape("n_positions=9")):
+        greedy_decode(gpt2, [prompt + [3]], max_new_tokens=5)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The recall suite
 
