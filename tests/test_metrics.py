@@ -278,8 +278,8 @@ def test_train_flops_estimate_matches_the_compiled_step(trainable):
     Focus retrofit's centroids only (frozen matrices get no weight gradient: it was 6 N for them, 1.5x too many)."""
     from focal_jax.nn.llama import Llama, focal_config
     from focal_jax.nn.retrofit import FocusConfig, retrofit
-    from focal_jax.train.optimizer import OptimConfig, make_optimizer, param_paths, split_trainable
-    from focal_jax.train.trainer import make_steps, matmul_param_count
+    from focal_jax.train.optimizer import OptimConfig, make_optimizer, split_trainable
+    from focal_jax.train.trainer import make_steps, model_flops_per_token
 
     b, t = 2, 64
     config = focal_config("tiny", d_model=128, intermediate=344, n_heads=2, head_dim=64, n_kv_heads=2, n_layers=2,
@@ -294,6 +294,5 @@ def test_train_flops_estimate_matches_the_compiled_step(trainable):
              "loss_mask": jnp.ones((b, t), jnp.float32)}
     cost = jax.jit(train_step).lower(params, tx.init(params), frozen, batch).compile().cost_analysis()
     compiled = (cost[0] if isinstance(cost, list) else cost)["flops"] / (b * t)
-    estimate = M.train_flops_per_token(matmul_param_count(model), config.n_layers, t, 128,
-                                       n_frozen=matmul_param_count(model, set(param_paths(frozen))))
+    estimate = model_flops_per_token(model, frozen, t)
     assert 0.85 < compiled / estimate < 1.15, compiled / estimate

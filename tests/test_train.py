@@ -461,6 +461,9 @@ def test_sequences_longer_than_gpt2_positions_are_refused(tmp_path, cache_dir):
     with pytest.raises(ValueError, match=r"data.seq_len=64 is longer than the model's n_positions=32"):
         train(config, workdir)
     assert latest_step(workdir) is None
+    config.model.n_positions = 64  # a table as long as the sequences: every position has its own row
+    train(config, workdir)
+    assert latest_step(workdir) == 1
 
 
 def test_resume_refuses_data_that_changed(tmp_path, cache_dir):
@@ -658,7 +661,10 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
               "--config.data.paths=README.md", "--config.data.eval_paths=no_such.txt"],
      "data.eval_paths: no file matches the pattern 'no_such.txt'"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.tokenizer=no_such.model"],
-     "data.tokenizer='no_such.model' is not a file")])
+     "data.tokenizer='no_such.model' is not a file"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.mesh.data=3"], "but there are"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.batch_size=6"],
+     "batch_size=6 must be a multiple of the data-parallel size")])
 def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args, message):
     """A config file missing (a relative path from outside the repository: experiments/ is not installed), a bad
     key or value in it, or an error of its `get_config` ends in one line naming it, status 2 (ml_collections' and
@@ -689,6 +695,20 @@ def test_cli_names_a_run_the_config_cannot_resume_in_one_line(tmp_path, cache_di
         assert len(lines) == 1 and lines[0].startswith("python -m focal_jax.train: error: workdir ") and \
             message in lines[0], lines
     assert latest_step(workdir) == 1
+
+
+def test_cli_names_a_setting_found_wrong_once_the_model_is_built_in_one_line(tmp_path, cache_dir):
+    """A vocabulary smaller than the tokenizer's is found once the data and model are built: a `ConfigError`,
+    printed as one line (status 2) like the config's own mistakes, where the trainer's traceback was."""
+    workdir = str(tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "focal_jax.train", "--config", "experiments/quickstart.py:runlocal",
+                           "--workdir", workdir, f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
+                           "--config.model.vocab_size=256"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == ("python -m focal_jax.train: error: model vocab_size=256 is smaller than "
+                                            "the tokenizer's 512: set model.vocab_size or data.vocab_size")
+    assert latest_step(workdir) is None
 
 
 @pytest.mark.parametrize("flag", ["--help", "--helpfull"])
@@ -1116,6 +1136,15 @@ def test_bad_input_fails_before_any_checkpoint(tmp_path, cache_dir):
     train(tied, tied_dir)
     assert_fails_cleanly(tiny(cache_dir, init_from=tied_dir), str(tmp_path / "e"),
                          "missing parameters that are not new in this config: \\['lm_head/kernel'\\]")
+    wider = tiny(cache_dir, init_from=tied_dir)
+    wider.model.update(tie_embeddings=True, intermediate=96)
+    assert_fails_cleanly(wider, str(tmp_path / "g"), re.escape(
+        f"init_from={tied_dir!r} has parameters of the wrong shape: ['layers/0/mlp/down_proj/kernel: checkpoint "))
+
+    small_vocab = tiny(cache_dir)
+    small_vocab.model.vocab_size = 256
+    assert_fails_cleanly(small_vocab, str(tmp_path / "h"),
+                         "model vocab_size=256 is smaller than the tokenizer's 512: set model.vocab_size")
 
 
 # ------------------------------------------------------------------------------------------------ experiments

@@ -91,15 +91,20 @@ def main(argv):
                           num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                           process_id=int(os.environ["JAX_PROCESS_ID"]))
         jax.distributed.initialize(**kwargs)
-    from focal_jax.train.trainer import check_run, train  # after initialize(): no JAX backend may start before it
+    # after initialize(): no JAX backend may start before it
+    from focal_jax.train.config import ConfigError
+    from focal_jax.train.trainer import check_run, train
 
-    # The config's mistakes (an unknown key, a bad value, a workdir holding another run) as one line naming them;
-    # train checks them again.
+    # The config's mistakes (an unknown key, a bad value, a workdir holding another run, a mesh that does not fit) as
+    # one line naming them; so are those train finds once the data and model are built (ConfigError).
     try:
         check_run(flags.FLAGS.config, flags.FLAGS.workdir)
     except ValueError as e:
         _fail(str(e))
-    train(flags.FLAGS.config, flags.FLAGS.workdir)
+    try:
+        train(flags.FLAGS.config, flags.FLAGS.workdir)
+    except ConfigError as e:
+        _fail(str(e))
 
 
 if __name__ == "__main__":

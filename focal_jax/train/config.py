@@ -102,6 +102,12 @@ def _dataclass(cls, where: str, values: dict):
     return cls(**values)
 
 
+class ConfigError(ValueError):
+    """A setting of a run that cannot work, found once the run's data or model is built (a vocabulary smaller than
+    the tokenizer's, an `init_from` run of another architecture, ...); `python -m focal_jax.train` prints it as one
+    line, as it does the errors of `check_config`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A checked trainer config: the scalar settings plus the frozen dataclasses built from the sections."""

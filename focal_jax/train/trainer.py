@@ -28,8 +28,8 @@ from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
-from focal_jax.train.config import (DTYPES, RunConfig, check_attention_fields, check_config, check_data_fields,
-                                    check_data_files, config_differences, with_defaults)
+from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
+                                    check_data_fields, check_data_files, config_differences, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -81,10 +81,11 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     if meta.get("params_scope") == "trainable" and with_base:
         base = meta.get("init_from")
         if not base:
-            raise ValueError(f"{workdir!r} saved only its trainable parameters but records no init_from")
+            raise ConfigError(f"{workdir!r} saved only its trainable parameters but records no init_from")
         if checkpoint.is_hf_directory(base):
-            raise ValueError(f"{workdir!r} was trained from the Hugging Face directory {base!r}; start from it with "
-                             f"model.family='hf' and init_from={workdir!r} (the architecture then comes from that run)")
+            raise ConfigError(f"{workdir!r} was trained from the Hugging Face directory {base!r}; start from it "
+                              f"with model.family='hf' and init_from={workdir!r} (the architecture then comes from "
+                              f"that run)")
         checkpoint.require_step(base, meta.get("init_from_step"), BASE_STEP_GONE)
         load_pretrained(model, base, step=meta.get("init_from_step"))
     saved = checkpoint.saved_param_paths(workdir, step)
@@ -92,19 +93,19 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     shapes = {path_str(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
     extra = sorted(set(saved) - set(shapes))
     if extra:
-        raise ValueError(f"init_from={workdir!r} holds parameters the model does not have: {extra[:5]}"
-                         f"{' ...' if len(extra) > 5 else ''}")
+        raise ConfigError(f"init_from={workdir!r} holds parameters the model does not have: {extra[:5]}"
+                          f"{' ...' if len(extra) > 5 else ''}")
     wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if saved[p] != shapes[p]]
     if wrong:
-        raise ValueError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
+        raise ConfigError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
     missing = set(shapes) - set(saved)
     # with_base=False: the model holds the run's base, or (a run from scratch stored before 0.6.9, which saved its
     # trainable parameters only) the frozen parameters drawn from the run's seed
     if meta.get("params_scope") != "trainable" and with_base:
         undeclared = sorted(missing - new_param_paths(model))
         if undeclared:
-            raise ValueError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
-                             f"{undeclared[:5]}{' ...' if len(undeclared) > 5 else ''}")
+            raise ConfigError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
+                              f"{undeclared[:5]}{' ...' if len(undeclared) > 5 else ''}")
     _, loaded_state, _ = nnx.split(model, lambda path, _: path_str(path) in saved, ...)
     loaded = nnx.to_pure_dict(loaded_state)
     shardings = jax.tree.map(lambda x: x.sharding, loaded)
@@ -136,7 +137,7 @@ def init_model(run: RunConfig, *, base_step: int | None = None):
     model = build_model(run, seed=run.seed, base_step=base_step)
     if run.init_from and run.family != "hf":
         if checkpoint.is_hf_directory(run.init_from):
-            raise ValueError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
+            raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
         load_pretrained(model, run.init_from, step=base_step)
     for change in run.retrofit:
         model = retrofit(model, change, rngs=run.seed)
@@ -161,6 +162,15 @@ def matmul_param_count(model, paths=None) -> int:
         nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0] if paths is None or path_str(p) in paths}
     lookups = [p for p in sizes if p == "wpe/embedding" or (p == "embed_tokens/embedding" and not tied)]
     return sum(sizes.values()) - sum(sizes[p] for p in lookups)
+
+
+def model_flops_per_token(model, frozen, seq_len: int) -> float:
+    """Training FLOPs per token of `model` on sequences of `seq_len` (`metrics.train_flops_per_token`), with the
+    matmul parameters in `frozen` (the split's frozen tree) counted without a weight gradient."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.d_model // config.n_heads
+    return train_flops_per_token(matmul_param_count(model), config.n_layers, seq_len, config.n_heads * head_dim,
+                                 n_frozen=matmul_param_count(model, set(param_paths(frozen))))
 
 
 def cast_floats(tree, dtype):
@@ -316,7 +326,7 @@ def data_fingerprint(data) -> dict | None:
 
 
 def check_resumed_data(workdir: str, data, meta: dict):
-    """ValueError unless the data a resumed run built is the data its checkpoints were trained on: the tokenizer the
+    """ConfigError unless the data a resumed run built is the data its checkpoints were trained on: the tokenizer the
     workdir holds (a tokenizer trained on a corpus whose files changed would give token ids another meaning) and,
     in memory, the same training rows (`data_fingerprint`, recorded since checkpoints hold it). Copies the tokenizer
     into a workdir that lacks it."""
@@ -326,14 +336,14 @@ def check_resumed_data(workdir: str, data, meta: dict):
         copy_tokenizer(data.tokenizer, workdir)
         saved = None
     if saved is not None and pathlib.Path(saved).read_bytes() != pathlib.Path(data.tokenizer.path).read_bytes():
-        raise ValueError(f"workdir {workdir} holds a run trained with the tokenizer {saved}, but its data now gives "
-                         f"another one ({data.tokenizer.path}): the training files (data.paths) or data.tokenizer "
-                         f"changed since its checkpoints; restore them, or use a new workdir")
+        raise ConfigError(f"workdir {workdir} holds a run trained with the tokenizer {saved}, but its data now gives "
+                          f"another one ({data.tokenizer.path}): the training files (data.paths) or data.tokenizer "
+                          f"changed since its checkpoints; restore them, or use a new workdir")
     stored, now = meta.get("data"), data_fingerprint(data)
     if stored is not None and now is not None and stored != now:
-        raise ValueError(f"workdir {workdir} holds a run trained on other data: {stored} then, {now} now (the "
-                         f"training files, data.paths, changed since its checkpoints); restore them, or use a new "
-                         f"workdir")
+        raise ConfigError(f"workdir {workdir} holds a run trained on other data: {stored} then, {now} now (the "
+                          f"training files, data.paths, changed since its checkpoints); restore them, or use a new "
+                          f"workdir")
 
 
 class StopSignal:
@@ -383,7 +393,8 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
     it, and, when `workdir` holds a run, its latest step and that checkpoint's meta (both None otherwise).
     ValueError naming a bad setting, a `workdir` that is a URL (metrics, plots and the tokenizer copy are written
     with file operations), a run there that this config cannot resume (another config, or a step past
-    `total_steps`), or a data file that is missing (`check_data_files`)."""
+    `total_steps`), a data file that is missing (`check_data_files`), or a mesh that does not fit the devices or
+    the batch (`make_mesh`, `check_batch_layout`)."""
     run = check_config(config)
     check_attention_fields(run.model)
     check_data_fields(run.data)
@@ -406,6 +417,7 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
                              f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
                              f"new workdir")
     check_data_files(run.data)
+    check_batch_layout(make_mesh(run.mesh), run.batch_size, jax.process_count())
     return run, config_data, resume_step, stored
 
 
@@ -437,20 +449,19 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     model = init_model(run, base_step=init_from_step)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
-        raise ValueError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
-                         f"set model.vocab_size or data.vocab_size")
+        raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
+                          f"set model.vocab_size or data.vocab_size")
     n_positions = getattr(model.config, "n_positions", None)  # GPT-2's learned position table (a lookup clamps)
     if n_positions is not None and run.data.seq_len > n_positions:
-        raise ValueError(f"data.seq_len={run.data.seq_len} is longer than the model's n_positions={n_positions} "
-                         f"(GPT-2's learned position table; positions past it would all read its last row): set "
-                         f"data.seq_len <= {n_positions}")
+        raise ConfigError(f"data.seq_len={run.data.seq_len} is longer than the model's n_positions={n_positions} "
+                          f"(GPT-2's learned position table; positions past it would all read its last row): set "
+                          f"data.seq_len <= {n_positions}")
     kinds = sorted({attn.config.kind for attn in attention_layers(model)})
     if run.balance_weight > 0 and not set(kinds) & set(FOCUS_KINDS):
-        raise ValueError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
-                         f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
-    model_config = model.config
+        raise ConfigError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
+                          f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
     graphdef, trainable, frozen = split_trainable(model, run.optim)
-    n_matmul, n_frozen_matmul = matmul_param_count(model), matmul_param_count(model, set(param_paths(frozen)))
+    flops_per_token = model_flops_per_token(model, frozen, run.data.seq_len)
     del model
     param_dtype = DTYPES[run.param_dtype]
     trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
@@ -502,10 +513,6 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     eval_step = jax.jit(eval_step)
     eval_batches = data.eval_batches(run.eval_batches) if run.eval_batches else []
     tokens_per_step = run.batch_size * run.data.seq_len
-    head_dim = getattr(model_config, "head_dim", None) or model_config.d_model // model_config.n_heads
-    width = model_config.n_heads * head_dim
-    flops_per_token = train_flops_per_token(n_matmul, model_config.n_layers, run.data.seq_len, width,
-                                            n_frozen=n_frozen_matmul)
     lr_schedule = learning_rate_schedule(run.optim, run.total_steps)
     peak = peak_flops()
 
