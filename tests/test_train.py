@@ -331,6 +331,32 @@ def test_counters_and_settings_that_cannot_train_are_refused():
             OptimConfig(**{name: value})
 
 
+def test_windows_that_cover_every_key_are_refused(tmp_path):
+    """A Focus window of at least data.seq_len - 1 leaves no distant key (Focus routes nothing; its centroids never
+    train), and so does a retrofit's sliding window (it changes nothing): training refuses them by name, one key
+    shorter trains. The same settings still load (`check_config`: a stored run is evaluated at any length)."""
+    base = str(tmp_path / "base")
+    os.makedirs(base)
+    cases = [
+        ({"model": {"family": "llama", "size": "tiny", "attn": {"kind": "focus", "focus_window": 127}}},
+         "model.attn.focus_window=127"),
+        ({"model": {"family": "gpt2", "vocab_size": 512, "n_positions": 128, "d_model": 64, "n_layers": 2,
+                    "n_heads": 4, "kind": "focal+focus", "focus_window": 200}}, "model.focus_window=200"),
+        ({"init_from": base, "retrofit": {"focus": {"groups": 2, "dim": 8, "window": 127}}},
+         "retrofit.focus.window=127"),
+        ({"init_from": base, "retrofit": {"window": 1000}}, "retrofit.window=1000")]
+    for settings, field in cases:
+        config = default_config()
+        config.data.seq_len = 128
+        for key, value in settings.items():
+            config[key] = value
+        check_config(config)
+        with pytest.raises(ValueError, match=re.escape(f"{field} covers every key of data.seq_len=128 sequences")):
+            trainer.check_run(config, str(tmp_path / "run"))
+        config.data.seq_len = int(re.search(r"=(\d+)$", field)[1]) + 2  # one distant key
+        trainer.check_run(config, str(tmp_path / "run"))
+
+
 def test_batches_split_over_data_and_fsdp():
     """A batch's rows are split over both batch axes (data x fsdp), each device holding its own rows; replicated over
     tensor."""
@@ -662,6 +688,8 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
      "data.eval_paths: no file matches the pattern 'no_such.txt'"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.tokenizer=no_such.model"],
      "data.tokenizer='no_such.model' is not a file"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.model.attn.kind=focus"],
+     "model.attn.focus_window=128 covers every key of data.seq_len=64 sequences"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.mesh.data=3"], "but there are"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.batch_size=6"],
      "batch_size=6 must be a multiple of the data-parallel size")])

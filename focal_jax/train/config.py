@@ -216,6 +216,28 @@ def check_data_files(data: DataConfig) -> None:
                          f"Hugging Face tokenizer.json)")
 
 
+def check_windows(run: RunConfig) -> None:
+    """ValueError when a window the config sets for training covers every key of its sequences: a Focus window
+    (`model.attn.focus_window` of a Focus kind, `retrofit.focus.window`; Focus would route no token by group, so its
+    centroids would never train) or a retrofit's sliding window (`retrofit.window`; it would change nothing) of at
+    least `data.seq_len - 1` (key j is local to query i iff `0 <= i - j <= window`)."""
+    seq_len = run.data.seq_len
+    windows = []
+    if run.model is not None and run.model.attention.kind in FOCUS_KINDS:
+        field = "model.focus_window" if run.family == "gpt2" else "model.attn.focus_window"
+        windows.append((field, run.model.attention.focus_window, "Focus would route no token by group"))
+    for change in run.retrofit:
+        if isinstance(change, FocusConfig):
+            windows.append(("retrofit.focus.window", change.window, "Focus would route no token by group"))
+        elif isinstance(change, WindowConfig):
+            windows.append(("retrofit.window", change.window, "the window would change nothing"))
+    for field, window, effect in windows:
+        if window >= seq_len - 1:
+            raise ValueError(f"{field}={window} covers every key of data.seq_len={seq_len} sequences (key j is local "
+                             f"to query i iff 0 <= i - j <= window): {effect}; give a window < {seq_len - 1}, or "
+                             f"longer sequences")
+
+
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     """Validate `config` against `default_config()` and build a `RunConfig`; raises ValueError naming any unknown
     key or bad value."""
