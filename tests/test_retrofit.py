@@ -192,6 +192,7 @@ def test_focal_learned_adds_temperature(family):
     assert (config.kind, config.tau_min, config.tau_max) == ("focal_learned", 4.0, 9.0)
     assert count_params(model, Temperature) == LAYERS * (D + 1)
     assert count_params(model, trainable_filter("centroids+temperature")) == LAYERS * (D + 1)
+    assert count_params(model, trainable_filter("temperature")) == LAYERS * (D + 1)  # optim.trainable's too
     assert float(_attention(model)[0].tau_bias[...]) == 6.5  # Attention's own init: middle of the range
     assert np.isfinite(_logits(model, _tokens(LONG))).all()
 

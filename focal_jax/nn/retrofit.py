@@ -44,8 +44,8 @@ from focal_jax.nn.models import attention_modules
 from focal_jax.nn.variables import Centroid, LoRA, Temperature
 
 NEW_TYPES = (Centroid, Temperature, LoRA)
-TRAINABLE = {"centroids": Centroid, "centroids+temperature": (Centroid, Temperature), "lora": LoRA,
-             "all": nnx.Param}
+TRAINABLE = {"all": nnx.Param, "centroids": Centroid, "temperature": Temperature,
+             "centroids+temperature": (Centroid, Temperature), "lora": LoRA}
 
 # A minimal valid AttentionConfig whose focus / focal fields are replaced to validate the retrofit configs.
 _PROBE = dict(d_model=1, n_heads=1, n_kv_heads=1, head_dim=2, rope_theta=None)
@@ -416,9 +416,9 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
 
 
 def trainable_filter(kind: str = "centroids"):
-    """The nnx filter of the parameters to train: 'centroids' (`Centroid`: a Focus retrofit),
-    'centroids+temperature' (`Centroid` or `Temperature`), 'lora' (`LoRA`: the LoRA baseline), 'all' (`nnx.Param`:
-    full fine-tuning)."""
+    """The nnx filter of the parameters to train (the types `optim.trainable` selects): 'centroids' (`Centroid`: a
+    Focus retrofit), 'temperature' (`Temperature`: a learned Focal retrofit), 'centroids+temperature' (either),
+    'lora' (`LoRA`: the LoRA baseline), 'all' (`nnx.Param`: full fine-tuning)."""
     if kind not in TRAINABLE:
         raise ValueError(f"kind={kind!r} is not one of {tuple(TRAINABLE)}")
     return TRAINABLE[kind]

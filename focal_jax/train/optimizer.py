@@ -18,10 +18,9 @@ import optax
 from flax import nnx
 
 from focal_jax._validation import is_integer
-from focal_jax.nn.variables import Centroid, LoRA, Temperature
+from focal_jax.nn.retrofit import TRAINABLE
 
-TRAINABLE_TYPES = {"all": nnx.Param, "centroids": Centroid, "temperature": Temperature,
-                   "centroids+temperature": (Centroid, Temperature), "lora": LoRA}
+TRAINABLE_TYPES = TRAINABLE  # the parameter types each optim.trainable selects (`retrofit.trainable_filter`'s)
 
 
 @dataclasses.dataclass(frozen=True)
