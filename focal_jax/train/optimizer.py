@@ -20,15 +20,13 @@ from flax import nnx
 from focal_jax._validation import is_integer
 from focal_jax.nn.retrofit import TRAINABLE
 
-TRAINABLE_TYPES = TRAINABLE  # the parameter types each optim.trainable selects (`retrofit.trainable_filter`'s)
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """Optimizer settings (defaults: the Focal paper's recipe; `lr` is the 400M model's peak).
 
-    trainable: a key of `TRAINABLE_TYPES` (parameter types that train). trainable_regex: if set, of those only the
-    parameters whose path (e.g. 'layers/3/self_attn/q_proj/kernel') matches it (`re.search`) train.
+    trainable: a key of `focal_jax.nn.retrofit.TRAINABLE` (parameter types that train). trainable_regex: if set, of
+    those only the parameters whose path (e.g. 'layers/3/self_attn/q_proj/kernel') matches it (`re.search`) train.
     decay_steps: length of warmup + cosine; None = the run's total_steps.
     """
 
@@ -69,8 +67,8 @@ class OptimConfig:
                              f"decay_steps={self.decay_steps!r}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"optim.clip must be None or > 0, got clip={self.clip!r}")
-        if self.trainable not in TRAINABLE_TYPES:
-            raise ValueError(f"optim.trainable={self.trainable!r} is not one of {tuple(TRAINABLE_TYPES)}")
+        if self.trainable not in TRAINABLE:
+            raise ValueError(f"optim.trainable={self.trainable!r} is not one of {tuple(TRAINABLE)}")
         if self.trainable_regex is not None:
             try:
                 re.compile(self.trainable_regex)
@@ -116,7 +114,7 @@ def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTrans
 
 def trainable_filter(config: OptimConfig):
     """An NNX filter selecting the trainable parameters: by type (`config.trainable`) and, if set, by path regex."""
-    types = TRAINABLE_TYPES[config.trainable]
+    types = TRAINABLE[config.trainable]
     by_type = nnx.Any(*map(nnx.OfType, types if isinstance(types, tuple) else (types,)))
     if config.trainable_regex is None:
         return by_type

@@ -434,7 +434,6 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
     run, config_data, resume_step, stored = check_run(config, workdir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     mesh = make_mesh(run.mesh)
-    check_batch_layout(mesh, run.batch_size, jax.process_count())
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
     log(f"devices: {jax.device_count()} ({jax.devices()[0].device_kind}) in {jax.process_count()} process(es), "
         f"mesh {dict(mesh.shape)}; workdir {workdir}")
