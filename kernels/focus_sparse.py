@@ -1195,9 +1195,20 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     settings = Settings(block_size, band_block_size, min(window, t), min(sink, t), softcap, scale, t, backend,
                         num_warps or default_warps, num_stages or default_stages, *_sets)
 
+    return _planned_attention(q, k, v, per_query, membership, segment_ids, settings=settings, max_groups=max_groups,
+                              mesh=mesh)
+
+
+# Jitted as a whole: called eagerly, the kernels of a new closure compiled afresh at every call (1 s at T = 256 in
+# interpret mode).
+@functools.partial(jax.jit, static_argnames=("settings", "max_groups", "mesh"))
+def _planned_attention(q, k, v, per_query, membership, segment_ids, *, settings: Settings, max_groups, mesh):
+    """The plan of each row, then the kernels, per shard of `mesh` (`focus_sparse_pallas`, after its checks)."""
+
     def kernel(q, k, v, *arrays):
         *m, membership, segment_ids = arrays
-        p = jax.vmap(lambda m, s: plan(m, s, block_size, band_block_size, max_groups))(membership, segment_ids)
+        p = jax.vmap(lambda m, s: plan(m, s, settings.block, settings.band_block, max_groups))(membership,
+                                                                                               segment_ids)
         return _attention(q, k, v, m[0] if m else None, p, settings)
 
     return per_shard(kernel, q, k, v, (membership, segment_ids), head_arrays=per_query, mesh=mesh)

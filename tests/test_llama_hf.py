@@ -3,6 +3,7 @@ the Attention module's kinds against those logits, config validation, import err
 
 import dataclasses
 import json
+import re
 import os
 import shutil
 
@@ -452,6 +453,14 @@ def test_mistral_layer_types(layer_types, tmp_path, tokens):
         return
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert_close(from_hf(str(tmp_path))(jnp.asarray(tokens)), hf_logits(hf, tokens), atol=1e-4, what=str(layer_types))
+
+
+def test_a_dtype_that_is_not_floating_point_is_an_error(llama_dir):
+    """from_hf(dtype=jnp.int32) truncated every weight to an integer (almost all of them to 0), silently."""
+    for bad in (jnp.int32, "uint8", "bogus"):
+        with pytest.raises(ValueError, match=re.escape(f"dtype must be a floating-point dtype (e.g. jnp.float32, "
+                                                       f"jnp.bfloat16), got dtype={bad!r}")):
+            from_hf(llama_dir[0], dtype=bad)
 
 
 def test_no_safetensors_is_an_error(llama_dir, tmp_path):

@@ -4,6 +4,7 @@ logits unchanged; only the new parameters are added, differentiated and given op
 parameter counts; Focal t = 1 is dense; bad settings are named."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -336,6 +337,18 @@ def test_bad_retrofits_are_named():
     assert model.config.kind == "dense" and not nnx.state(model, Centroid)
     with pytest.raises(ValueError, match="impl='decomposed' and dtype=None are for Focus and Focal retrofits"):
         retrofit(gpt2(), LoRAConfig(rank=2, alpha=4.0), impl="decomposed")  # LoRA ignored both
+    # an integer dtype made all-zero int32 centroids (nothing to train); a string seed failed deep inside nnx
+    for bad in (jnp.int32, "int8", bool, "float99"):
+        with pytest.raises(ValueError, match=re.escape(f"dtype must be a floating-point dtype (e.g. jnp.float32, "
+                                                       f"jnp.bfloat16), got dtype={bad!r}")):
+            retrofit(gpt2(), focus, dtype=bad)
+    for bad in ("x", 1.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"rngs must be an nnx.Rngs, an integer seed or None, got "
+                                                       f"rngs={bad!r}")):
+            retrofit(gpt2(), focus, rngs=bad)
+        with pytest.raises(ValueError, match=re.escape(f"rngs={bad!r}")):
+            retrofit(gpt2(), LoRAConfig(rank=2, alpha=4.0), rngs=bad)
+    assert retrofit(gpt2(), focus, dtype="bfloat16", rngs=np.int64(3)).h[0].attn.centroids.dtype == jnp.bfloat16
 
 
 def test_a_retrofit_keeps_the_centroids_a_dense_view_held():

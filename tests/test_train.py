@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import glob
+import copy
 import json
 import math
 import os
@@ -357,6 +358,63 @@ def test_windows_that_cover_every_key_are_refused(tmp_path):
         trainer.check_run(config, str(tmp_path / "run"))
 
 
+def test_hard_routing_as_the_only_thing_to_train_is_refused(tmp_path):
+    """Hard top-k membership has no gradient: a run that trains only the centroids of hard Focus layers (no balance
+    loss) ran with a gradient norm of exactly 0 and saved its initial centroids. Training refuses it by name; the
+    soft gate, a balance loss, a learned temperature beside the centroids, or full training still run."""
+    base = str(tmp_path / "base")
+    os.makedirs(base)
+    retrofit_focus = {"init_from": base, "retrofit": {"focus": {"groups": 2, "dim": 8, "window": 16, "topk": 1}},
+                      "optim": {"trainable": "centroids"}}
+    own_focus = {"model": {"family": "llama", "size": "tiny",
+                           "attn": {"kind": "focus", "focus_window": 16, "focus_topk": 2}},
+                 "optim": {"trainable": "centroids+temperature"}}
+    gpt2_focus = {"model": {"family": "gpt2", "vocab_size": 512, "n_positions": 128, "d_model": 64, "n_layers": 2,
+                            "n_heads": 4, "kind": "focus", "focus_window": 16, "focus_topk": 1},
+                  "optim": {"trainable": "centroids"}}
+    cases = [(retrofit_focus, "retrofit.focus.topk=1", ("retrofit", "focus", "topk")),
+             (own_focus, "model.attn.focus_topk=2", ("model", "attn", "focus_topk")),
+             (gpt2_focus, "model.focus_topk=1", ("model", "focus_topk"))]
+    for settings, field, path in cases:
+        def config_of(change=None):
+            config = default_config()
+            config.data.seq_len = 128
+            for key, value in copy.deepcopy(settings).items():
+                config[key] = value
+            if change:
+                change(config)
+            return config
+
+        with pytest.raises(ValueError, match=re.escape(f"{field} (hard top-k routing) with optim.trainable=")):
+            trainer.check_run(config_of(), str(tmp_path / "run"))
+
+        def soft(config):
+            section = config
+            for key in path[:-1]:
+                section = section[key]
+            section[path[-1]] = None
+
+        def balanced(config):
+            config.balance_weight = 0.01
+
+        def everything(config):
+            config.optim.trainable = "all"
+
+        for change in (soft, balanced, everything):
+            trainer.check_run(config_of(change), str(tmp_path / "run"))
+
+    def learned(config):
+        config.retrofit.focal = {"learned": True, "t": None}
+        config.optim.trainable = "centroids+temperature"
+
+    config = default_config()
+    config.data.seq_len = 128
+    for key, value in copy.deepcopy(retrofit_focus).items():
+        config[key] = value
+    learned(config)
+    trainer.check_run(config, str(tmp_path / "run"))
+
+
 def test_batches_split_over_data_and_fsdp():
     """A batch's rows are split over both batch axes (data x fsdp), each device holding its own rows; replicated over
     tensor."""
@@ -691,6 +749,14 @@ def test_cli_unknown_override_fails_with_its_name(tmp_path, override, message):
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.model.attn.kind=focus"],
      "model.attn.focus_window=128 covers every key of data.seq_len=64 sequences"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.mesh.data=3"], "but there are"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.retrofit.focus.groups=4"],
+     "--config.retrofit.focus.groups: retrofit.focus is None in this config, so its fields cannot be set one by one"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.model.atn.kind=focus"],
+     "--config.model.atn.kind: model.atn is not a key of this config (Did you mean \"attn\""),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.modl.x=4"],
+     "--config.modl.x: modl is not a key of this config"),
+    ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.data.source.x=1"],
+     "--config overrides --config.data.source.x: TypeError"),
     ("root", ["--config", "experiments/quickstart.py:runlocal", "--config.batch_size=6"],
      "batch_size=6 must be a multiple of the data-parallel size")])
 def test_cli_config_mistakes_are_one_line_not_a_traceback(tmp_path, where, args, message):

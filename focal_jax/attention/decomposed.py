@@ -348,6 +348,8 @@ def _sequence_attention_bwd(settings, residuals, d_out):
 _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
 
 
+# Jitted as a whole: called eagerly, its loops over new closures compiled afresh at every call (0.8 s at T = 256).
+@functools.partial(jax.jit, static_argnames=("window", "sink", "softcap", "block_size", "max_groups"))
 def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
                          block_size=128, max_groups=None):
     """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).

@@ -1,5 +1,7 @@
 """Log-domain Sinkhorn balancing of token-to-group scores (Focus, Sec. 2), segment-, padding- and causality-aware."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +72,15 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     if valid is not None and tuple(valid.shape) != (b, t):
         raise ValueError(f"valid must have shape [batch, seq] = {(b, t)}, got shape {valid.shape}")
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
+    return _balanced(scores, segment_ids, valid, n_iters=int(n_iters), causal=bool(causal), unroll=unroll)
 
+
+# Jitted as a whole: called eagerly (a notebook, a KV-cache decode step), the scan over a new `iteration` closure
+# compiled afresh at every call (0.9 s at T = 256 on CPU, 4 s causal).
+@functools.partial(jax.jit, static_argnames=("n_iters", "causal", "unroll"))
+def _balanced(scores, segment_ids, valid, *, n_iters, causal, unroll):
+    """`sinkhorn`'s computation, on validated inputs (`valid` bool `[B, T]`)."""
+    k = scores.shape[-1]
     column_logsumexp = _column_logsumexp(segment_ids, causal)
 
     def iteration(log_q, _):

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from focal_jax.convert.gpt2 import build_gpt2
 from focal_jax.convert.safetensors_io import read_safetensors
+from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.variables import LoRA
 
@@ -178,6 +179,7 @@ def from_hf(directory, *, dtype=jnp.float32):
       ValueError naming the model_type when it is not supported, a missing tensor with its expected shape, or a
       tensor of the wrong shape with both shapes.
     """
+    dtype = float_dtype(dtype)
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory!r} has no config.json")

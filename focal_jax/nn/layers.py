@@ -1,5 +1,5 @@
 """Building blocks of the LLaMA-family decoder: RMSNorm, rotary embeddings (pure functions), SwiGLU MLP, embedding
-lookup."""
+lookup; the checks of a dtype and of an `rngs` argument that model builders share."""
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +131,28 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         return self.down_proj(nnx.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def float_dtype(dtype, name: str = "dtype"):
+    """`dtype` (e.g. `jnp.bfloat16`, `'float32'`) as a numpy dtype; ValueError naming `name` unless it is a
+    floating-point type (an integer dtype would truncate every weight)."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(f"{name} must be a floating-point dtype (e.g. jnp.float32, jnp.bfloat16), got "
+                         f"{name}={dtype!r}")
+    return resolved
+
+
+def as_rngs(rngs, name: str = "rngs") -> nnx.Rngs:
+    """`nnx.Rngs` from `rngs`: an `nnx.Rngs` as it is, an integer seed, or None (seed 0); ValueError otherwise."""
+    if isinstance(rngs, nnx.Rngs):
+        return rngs
+    if rngs is None or (isinstance(rngs, (int, np.integer)) and not isinstance(rngs, bool)):
+        return nnx.Rngs(params=0 if rngs is None else int(rngs))
+    raise ValueError(f"{name} must be an nnx.Rngs, an integer seed or None, got {name}={rngs!r}")
 
 
 def embed(table: nnx.Embed, ids, *, what: str = "tokens"):

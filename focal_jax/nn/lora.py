@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax.nn.layers import as_rngs
 from focal_jax.nn.models import attention_modules
 from focal_jax.nn.variables import LoRA
 
@@ -159,8 +160,7 @@ def add_lora(model, config: LoRAConfig, *, rngs: nnx.Rngs | int | None = None):
     """
     if not isinstance(config, LoRAConfig):
         raise ValueError(f"config must be a LoRAConfig, got {type(config).__name__}")
-    if rngs is None or isinstance(rngs, int):
-        rngs = nnx.Rngs(params=0 if rngs is None else rngs)
+    rngs = as_rngs(rngs)
     plans = []
     for path, attn in _attention_modules(model):
         for letter in config.targets:

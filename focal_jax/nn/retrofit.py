@@ -38,6 +38,7 @@ from flax import nnx
 
 from focal_jax.nn.attention import CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
+from focal_jax.nn.layers import as_rngs, float_dtype
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.lora import LoRAConfig, add_lora
 from focal_jax.nn.models import attention_modules
@@ -352,13 +353,14 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
         raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
     if isinstance(config, WindowConfig):
         return _retrofit_window(model, config, impl)
-    if rngs is None or isinstance(rngs, int):
-        rngs = nnx.Rngs(params=0 if rngs is None else rngs)
+    rngs = as_rngs(rngs)
     if isinstance(config, LoRAConfig):
         if impl is not None or dtype is not None:
             raise ValueError(f"impl={impl!r} and dtype={dtype!r} are for Focus and Focal retrofits; a LoRAConfig "
                              f"keeps the attention as it is (its LoRA parameters take the projections' dtype)")
         return add_lora(model, config, rngs=rngs)
+    if dtype is not None:
+        dtype = float_dtype(dtype)
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no Attention modules to retrofit")

@@ -73,6 +73,31 @@ def parse_flags(argv):
         if "Error whilst parsing config file:" in message:  # the exception's own line ends the traceback
             message = f"--config {path}: " + message.strip().splitlines()[-1].strip()
         _fail(message)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:  # ml_collections, on an override below a
+        _fail(override_error(argv[1:], e))  # missing, None or non-section key
+
+
+def override_error(argv, error: Exception) -> str:
+    """One line for ml_collections' error on a `--config.a.b.c=value` override whose section `a.b` the config lacks
+    (KeyError "'b'", maybe with a did-you-mean line) or holds as None (ValueError 'Override a.b.c can not be applied
+    because field "b" is None, ...'), naming the override and the section; other errors (a section that is a value,
+    `--config.data.source.x`) with the overrides given."""
+    overrides = [arg.split("=", 1)[0][2:] for arg in argv if arg.startswith("--config.")]
+    lines = (str(error.args[0]) if error.args else str(error)).splitlines() or [""]
+    if isinstance(error, KeyError):
+        field = lines[0].strip("'\"")
+        hint = " ".join(line.strip() for line in lines[1:])
+        problem = "is not a key of this config" + (f" ({hint})" if hint else "")
+    elif isinstance(error, ValueError) and 'field "' in lines[0] and " is None" in lines[0]:
+        field = lines[0].split('field "', 1)[1].split('"', 1)[0]
+        problem = "is None in this config, so its fields cannot be set one by one: give the section in the config file"
+    else:
+        return f"--config overrides {', '.join('--' + o for o in overrides)}: {type(error).__name__}: {' '.join(lines)}"
+    override = next((o for o in overrides if field in o.split(".")[1:-1]), None)
+    if override is None:
+        return f"--config: {field!r} {problem}"
+    path = override.split(".")
+    return f"--{override}: {'.'.join(path[1:path.index(field, 1) + 1])} {problem}"
 
 
 def main(argv):

@@ -238,6 +238,30 @@ def check_windows(run: RunConfig) -> None:
                              f"longer sequences")
 
 
+def check_routing_trains(run: RunConfig) -> None:
+    """ValueError when the run trains only the Focus routing (`optim.trainable` 'centroids', or
+    'centroids+temperature' with no learned temperature), every Focus layer is hard (its `focus_topk` or
+    `retrofit.focus.topk` set) and there is no balance loss: the top-k membership has no gradient, so every step
+    would change nothing (a gradient norm of exactly 0) and the run would save its initial centroids. Train with
+    the soft gate (topk None) and evaluate with hard top-k (`python -m focal_jax.eval perplexity --topk k`)."""
+    trainable = run.optim.trainable
+    learned = (run.model is not None and run.model.attention.kind == "focal_learned") or any(
+        isinstance(change, FocalConfig) and change.learned for change in run.retrofit)
+    if run.balance_weight > 0 or not (trainable == "centroids" or (trainable == "centroids+temperature"
+                                                                   and not learned)):
+        return
+    topks = []
+    if run.model is not None and run.model.attention.kind in FOCUS_KINDS:
+        field = "model.focus_topk" if run.family == "gpt2" else "model.attn.focus_topk"
+        topks.append((field, run.model.attention.focus_topk))
+    topks += [("retrofit.focus.topk", change.topk) for change in run.retrofit if isinstance(change, FocusConfig)]
+    if topks and all(topk is not None for _, topk in topks):
+        field, topk = topks[-1]
+        raise ValueError(f"{field}={topk} (hard top-k routing) with optim.trainable={trainable!r}: the top-k "
+                         f"membership has no gradient, so the centroids would never train; train with the soft gate "
+                         f"({field} None) and evaluate with hard top-k, or set balance_weight > 0")
+
+
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     """Validate `config` against `default_config()` and build a `RunConfig`; raises ValueError naming any unknown
     key or bad value."""

@@ -29,8 +29,8 @@ from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
-                                    check_data_fields, check_data_files, check_windows, config_differences,
-                                    with_defaults)
+                                    check_data_fields, check_data_files, check_routing_trains, check_windows,
+                                    config_differences, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -390,9 +390,10 @@ def saves_finished(manager):
 
 def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict | None]:
     """`(run, config_data, resume_step, stored)` for a run of `config` in `workdir`: the checked config
-    (`check_config`, with the attention and data settings it would ignore refused, and a window that covers every
-    key of the sequences: `check_windows`), the config as checkpoints store it, and, when `workdir` holds a run, its
-    latest step and that checkpoint's meta (both None otherwise).
+    (`check_config`, with refused: the attention and data settings it would ignore, a window that covers every
+    key of the sequences (`check_windows`), and hard routing as the only thing to train (`check_routing_trains`)),
+    the config as checkpoints store it, and, when `workdir` holds a run, its latest step and that checkpoint's meta
+    (both None otherwise).
     ValueError naming a bad setting, a `workdir` that is a URL (metrics, plots and the tokenizer copy are written
     with file operations), a run there that this config cannot resume (another config, or a step past
     `total_steps`), a data file that is missing (`check_data_files`), or a mesh that does not fit the devices or
@@ -401,6 +402,7 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
     check_attention_fields(run.model)
     check_data_fields(run.data)
     check_windows(run)
+    check_routing_trains(run)
     if "://" in workdir:
         raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
                          f"a network file system): metrics, plots and the tokenizer copy are written as local files")
