@@ -92,7 +92,8 @@ def override_error(argv, error: Exception) -> str:
         field = lines[0].split('field "', 1)[1].split('"', 1)[0]
         problem = "is None in this config, so its fields cannot be set one by one: give the section in the config file"
     else:
-        return f"--config overrides {', '.join('--' + o for o in overrides)}: {type(error).__name__}: {' '.join(lines)}"
+        given = ", ".join("--" + o for o in overrides)
+        return f"--config overrides {given}: {type(error).__name__}: {' '.join(lines)}"
     override = next((o for o in overrides if field in o.split(".")[1:-1]), None)
     if override is None:
         return f"--config: {field!r} {problem}"

@@ -147,7 +147,9 @@ def init_model(run: RunConfig, *, base_step: int | None = None):
 
 def load_model(workdir: str, *, step: int | None = None):
     """The model of a focal_jax run directory with the parameters of its latest checkpoint, or of checkpoint
-    `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one."""
+    `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one.
+    Parameters are float32 whatever the run's `param_dtype` (a retrofit's frozen base as its `init_from` stores it,
+    not the bf16-rounded copy a `param_dtype='bfloat16'` run trained on)."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
