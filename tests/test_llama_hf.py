@@ -470,6 +470,19 @@ def test_no_safetensors_is_an_error(llama_dir, tmp_path):
         from_hf(str(tmp_path))
 
 
+def test_a_bad_directory_or_config_json_is_named(llama_dir, tmp_path):
+    """A path that is not a directory said "has no config.json"; a malformed config.json raised json's bare
+    JSONDecodeError, which names no file."""
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=re.escape(f"{missing!r} is not a directory")):
+        from_hf(missing)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{model_type: llama}")
+    with pytest.raises(ValueError, match=re.escape(f"{str(broken / 'config.json')!r} is not valid JSON")):
+        from_hf(str(broken))
+
+
 SHAPE = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)
 
 

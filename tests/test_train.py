@@ -29,7 +29,7 @@ from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.variables import Centroid
 from focal_jax.train import checkpoint, train, trainer
-from focal_jax.train.config import check_config, config_differences, default_config
+from focal_jax.train.config import ConfigError, check_config, config_differences, default_config
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import (OptimConfig, decay_mask, learning_rate_schedule, make_optimizer, param_paths,
                                        split_trainable)
@@ -1108,6 +1108,19 @@ def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     config.model = {"family": "hf", "remat": "yes"}
     with pytest.raises(ValueError, match="model.remat must be True or False, got 'yes'"):
         check_config(config)
+
+
+def test_an_unsupported_hugging_face_directory_is_a_config_error(tmp_path, cache_dir):
+    """from_hf's ValueError (here an unsupported model_type) reached the CLI as a traceback after the data was built;
+    it is a ConfigError naming init_from, which the CLI prints as one line."""
+    hf_dir = tmp_path / "neox"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "gpt_neox"}')
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    config = tiny(cache_dir, init_from=str(hf_dir))
+    config.model = {"family": "hf"}
+    with pytest.raises(ConfigError, match=re.escape(f"init_from={str(hf_dir)!r}: unsupported model_type='gpt_neox'")):
+        init_model(check_config(config))
 
 
 def test_phase2_after_a_phase1_on_a_hugging_face_directory(tmp_path, cache_dir):

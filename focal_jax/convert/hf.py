@@ -180,11 +180,16 @@ def from_hf(directory, *, dtype=jnp.float32):
       tensor of the wrong shape with both shapes.
     """
     dtype = float_dtype(dtype)
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory (expected a Hugging Face model directory)")
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory!r} has no config.json")
     with open(config_path) as f:
-        hf = json.load(f)
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path!r} is not valid JSON: {e}") from None
     model_type = hf.get("model_type")
     if model_type not in LOADERS:
         raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")

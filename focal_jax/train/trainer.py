@@ -51,7 +51,10 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None):
     `model.remat`."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
-            model = from_hf(run.init_from)
+            try:
+                model = from_hf(run.init_from)
+            except ValueError as e:  # an unsupported architecture, a missing or misshapen tensor
+                raise ConfigError(f"init_from={run.init_from!r}: {e}") from None
         else:
             log(f"model: the model of the run {run.init_from}")
             model = load_model(run.init_from, step=base_step)
