@@ -470,7 +470,7 @@ def test_no_safetensors_is_an_error(llama_dir, tmp_path):
         from_hf(str(tmp_path))
 
 
-def test_a_bad_directory_or_config_json_is_named(llama_dir, tmp_path):
+def test_a_bad_directory_or_config_json_is_named(tmp_path):
     """A path that is not a directory said "has no config.json"; a malformed config.json raised json's bare
     JSONDecodeError, which names no file."""
     missing = str(tmp_path / "nowhere")
