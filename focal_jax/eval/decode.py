@@ -37,26 +37,10 @@ from flax import nnx
 
 from focal_jax._validation import check_int
 from focal_jax.nn.attention import check_decodable
-from focal_jax.nn.generate import init_cache
+from focal_jax.nn.generate import _bucket, _bucket_floor, init_cache
 from focal_jax.nn.models import attention_layers, check_model
 
 _CHUNK = 16  # decoding steps per device call; `stop` is checked between calls
-
-
-def _bucket(n: int) -> int:
-    """The smallest of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four values per octave) that is >= n."""
-    if n <= 8:
-        return 8
-    step = 1 << ((n - 1).bit_length() - 3)
-    return -(-n // step) * step
-
-
-def _bucket_floor(n: int) -> int:
-    """The largest of 8, 10, 12, 14, 16, 20, ... that is <= n; 1 when n < 8."""
-    if n < 8:
-        return 1
-    step = 1 << (n.bit_length() - 3)
-    return n // step * step
 
 
 def _check_prompts(prompts, vocab_size):

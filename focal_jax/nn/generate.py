@@ -33,6 +33,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from focal_jax._validation import check_int
@@ -81,16 +82,22 @@ def sample_logits(logits, rng=None, *, temperature=0.0, top_p=1.0):
       True
     """
     _check_sampling(temperature, top_p)
-    logits = jnp.asarray(logits, jnp.float32)
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if rng is None:
+    if temperature > 0 and rng is None:
         raise ValueError(f"rng (a jax.random key) is required when sampling (temperature={temperature} > 0)")
+    return _sample(logits, rng, temperature, top_p, sampling=temperature > 0, nucleus=top_p < 1)
+
+
+def _sample(logits, rng, temperature, top_p, *, sampling: bool, nucleus: bool):
+    """`sample_logits` with `temperature` and `top_p` possibly traced: only whether to sample at all and whether to
+    cut a nucleus are Python bools (so one compiled generation serves every temperature and top_p)."""
+    logits = jnp.asarray(logits, jnp.float32)
+    if not sampling:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # The row's largest logit moved to 0 first: as temperature -> 0 the others go to -inf, where logits / temperature
     # would leave float32's range (several tokens at +inf, the first of them drawn).
     peak = jnp.max(logits, axis=-1, keepdims=True)
     logits = (logits - jnp.where(jnp.isfinite(peak), peak, 0.0)) / temperature
-    if top_p < 1:
+    if nucleus:
         ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # probability mass of the more probable tokens
@@ -100,33 +107,44 @@ def sample_logits(logits, rng=None, *, temperature=0.0, top_p=1.0):
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p"))
-def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature, top_p):
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill", "sampling", "nucleus"))
+def _generate(graphdef, state, tokens, prompt_len, total, rng, temperature, top_p, *, prefill, sampling, nucleus):
+    """`tokens [B, W]` with the prompt in its first `prompt_len` columns, continued up to column `total` (< W: the
+    rest stays 0). The cache has W slots; the first `prefill` (<= prompt_len) prompt tokens fill it at once, the
+    others one per step, as the generated ones. W and `prefill` are static (bucketed by the caller); the lengths,
+    temperature and top_p are traced, so one compiled function serves many prompts and settings."""
     model = nnx.merge(graphdef, state)
-    b, t0 = prompt.shape
-    total = t0 + max_new_tokens
-    cache = init_cache(model, b, total)
-    logits, cache = model(prompt, cache=cache, logits_at=jnp.full((b, 1), t0 - 1))  # the last row's only
-    keys = jax.random.split(rng, max_new_tokens)
-    first = sample_logits(logits[:, -1], keys[0], temperature=temperature, top_p=top_p)
-    out = jnp.zeros((b, total), jnp.int32).at[:, :t0].set(prompt.astype(jnp.int32)).at[:, t0].set(first)
+    b, width = tokens.shape
+    keys = jax.random.split(rng, width)  # key j draws new token j (split(rng, n)[j] for any n > j: jax's threefry)
 
-    def step(i, carry):  # feed token t0 + i - 1, sample token t0 + i
-        out, cache = carry
-        token = jax.lax.dynamic_slice(out, (0, t0 + i - 1), (b, 1))
-        logits, cache = model(token, cache=cache)
-        nxt = sample_logits(logits[:, -1], keys[i], temperature=temperature, top_p=top_p)
-        return jax.lax.dynamic_update_slice(out, nxt[:, None], (0, t0 + i)), cache
+    def sample_into(tokens, logits, slot):  # the token at `slot` drawn from `logits` unless it is a prompt token
+        nxt = _sample(logits, keys[jnp.maximum(slot - prompt_len, 0)], temperature, top_p, sampling=sampling,
+                      nucleus=nucleus)
+        old = jax.lax.dynamic_slice_in_dim(tokens, slot, 1, axis=1)[:, 0]
+        return jax.lax.dynamic_update_slice_in_dim(tokens, jnp.where(slot >= prompt_len, nxt, old)[:, None], slot,
+                                                   axis=1)
 
-    out, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache))
-    return out
+    cache = init_cache(model, b, width)
+    logits, cache = model(tokens[:, :prefill], cache=cache, logits_at=jnp.full((b, 1), prefill - 1))  # last row only
+    tokens = sample_into(tokens, logits[:, -1], prefill)
+
+    def step(slot, carry):  # feed the token at `slot`, write the one at slot + 1
+        tokens, cache = carry
+        logits, cache = model(jax.lax.dynamic_slice_in_dim(tokens, slot, 1, axis=1), cache=cache)
+        return sample_into(tokens, logits[:, -1], slot + 1), cache
+
+    tokens, _ = jax.lax.fori_loop(prefill, total - 1, step, (tokens, cache))
+    return tokens
 
 
 def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=None):
     """Continue `prompt [B, T0]` (int tokens) by `max_new_tokens` tokens: `[B, T0 + max_new_tokens]` int32.
 
-    One jitted function (cached per model structure and settings): prefill the prompt into a KV cache of
-    `T0 + max_new_tokens` slots, then a `fori_loop` decodes one token per step.
+    One jitted function: prefill the prompt into a KV cache, then a `fori_loop` decodes one token per step. It is
+    compiled once per model structure, cache size and prefill length, which are bucketed (8, 10, 12, 14, 16, 20, 24,
+    ...: four per octave): the cache holds `T0 + max_new_tokens` rounded up, the prefill takes `T0` rounded down (1
+    below 8) and the rest of the prompt goes through the cache one token per step. Temperature and top_p are traced:
+    only greedy versus sampling and top_p < 1 versus 1 compile anew.
 
     Args:
       model: a focal_jax `Llama` or `GPT2` whose attention kind decodes (see the module docstring).
@@ -158,6 +176,29 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
         rng = jax.random.key(0)
     elif isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
         rng = jax.random.key(int(rng))
+    b, t0 = prompt.shape
+    width = _bucket(total)
+    if isinstance(model, GPT2):
+        width = min(width, model.config.n_positions)
+    tokens = np.zeros((b, width), np.int32)
+    tokens[:, :t0] = np.asarray(prompt)
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, rng, max_new_tokens=max_new_tokens, temperature=float(temperature),
-                     top_p=float(top_p))
+    out = _generate(graphdef, state, tokens, jnp.int32(t0), jnp.int32(total), rng, jnp.float32(temperature),
+                    jnp.float32(top_p), prefill=_bucket_floor(t0), sampling=temperature > 0, nucleus=top_p < 1)
+    return out[:, :total]
+
+
+def _bucket(n: int) -> int:
+    """The smallest of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four values per octave) that is >= n."""
+    if n <= 8:
+        return 8
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _bucket_floor(n: int) -> int:
+    """The largest of 8, 10, 12, 14, 16, 20, ... that is <= n; 1 when n < 8."""
+    if n < 8:
+        return 1
+    step = 1 << (n.bit_length() - 3)
+    return n // step * step
