@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
+from focal_jax._vma import shape_like, vary_like, varying_axes
 from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
 from focal_jax.kernels.partition import per_shard
@@ -733,11 +734,12 @@ def _call(body, inputs, outputs, grid, settings, name, walk_rows, aliases=None):
     # The TPU simulation runs each DMA as soon as it starts, so a copy into a buffer still being read would show.
     interpret = {"interpret": True,
                  "mosaic_interpret": pltpu.InterpretParams(dma_execution_mode="eager")}.get(backend, False)
+    arrays = vary_like([op.array for op in inputs], *(op.array for op in inputs))  # inside a user's shard_map
     return pl.pallas_call(kernel, grid=grid, in_specs=[_spec(op, tpu) for op in inputs],
-                          out_specs=[_spec(op, tpu) for op in outputs], out_shape=[op.array for op in outputs],
+                          out_specs=[_spec(op, tpu) for op in outputs],
+                          out_shape=[shape_like(op.array, arrays[0]) for op in outputs],
                           scratch_shapes=scratch, interpret=interpret, name=name, compiler_params=params,
-                          input_output_aliases=aliases or {})(
-        *(op.array for op in inputs))
+                          input_output_aliases=aliases or {})(*arrays)
 
 
 def triton_launch(dtype) -> tuple[int, int]:
@@ -1152,11 +1154,19 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     'tensor' (a `pallas_call` is opaque to XLA's partitioner, which would otherwise gather the operands and run
     the whole batch on every device). An axis that does not divide its dimension is not split: heads that the
     'tensor' size does not divide are replicated over it. See `focal_jax.kernels.partition`. Without a mesh
-    (or with all axes of size 1) nothing changes.
+    (or with all axes of size 1) nothing changes. Inside a user's `jax.shard_map` the kernels run on the shard they
+    are given, and their outputs vary over the mesh axes their inputs vary over (as `check_vma=True` checks);
+    `backend='interpret'` runs there only with `check_vma=False` (jax's Pallas interpreter; a ValueError says so).
     """
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "interpret" and varying_axes(q, k, v, membership):
+        raise ValueError(f"backend='interpret' (the default off GPUs and TPUs) cannot run inside a jax.shard_map that "
+                         f"checks varying axes (check_vma=True, its default; the inputs vary over "
+                         f"{sorted(varying_axes(q, k, v, membership))}): jax's Pallas interpreter slices them with "
+                         f"indices that do not vary. Use impl='decomposed', backend='mosaic_interpret', or "
+                         f"jax.shard_map(..., check_vma=False)")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):

@@ -225,3 +225,56 @@ def test_a_mesh_argument_and_an_outer_shard_map():
     outer = jax.shard_map(attend, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
     assert_close(jax.jit(outer)(q, k, v, membership), expected, atol=1e-5, what="inside shard_map")
     assert_per_shard(pallas_operand_shapes(outer, q, k, v, membership), 1, 4)
+
+
+def test_inside_a_shard_map_that_checks_varying_axes():
+    """A user's `jax.shard_map` checks by default (`check_vma=True`) that loop carries and kernel outputs vary over
+    the mesh axes their inputs vary over: the decomposed path's zero accumulators and the kernels' output shapes
+    did not (a scan TypeError; a ValueError asking for `manual_axis_type`). Values and gradients as the reference,
+    with q, k, v split over 'data' and 'tensor' and the membership over 'data' only. Pallas's own interpreter
+    (backend 'interpret', the CPU default) slices with indices that do not vary: refused by name."""
+    mesh, t = make_mesh((2, 1, 2)), 24
+    q, k, v = rand_qkv(11, 2, t, 4, 2, 8)
+    membership = topk_membership(jax.random.normal(jax.random.key(12), (2, t, 3)), 1)
+    heads, rows = P("data", None, "tensor"), P("data")
+    loss = lambda attend: lambda q, k, v, m: jnp.sum(jnp.sin(attend(q, k, v, m)))
+    expected = jax.value_and_grad(loss(lambda q, k, v, m: reference.focus_hard_attention(q, k, v, m, window=3)),
+                                  argnums=(0, 1, 2))(q, k, v, membership)
+    paths = {
+        "decomposed": lambda q, k, v, m: focus_sparse_attention(q, k, v, m, window=3, impl="decomposed", block_size=8),
+        "mosaic_interpret": lambda q, k, v, m: ks.focus_sparse_pallas(q, k, v, m, multiplier=8 ** -0.5, window=3,
+                                                                      block_size=8, band_block_size=8,
+                                                                      backend="mosaic_interpret"),
+    }
+    for name, attend in paths.items():
+        inner = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, rows), out_specs=heads)
+        got = jax.jit(jax.value_and_grad(loss(inner), argnums=(0, 1, 2)))(q, k, v, membership)
+        assert_close(got[0], expected[0], atol=1e-4, what=f"{name} loss")
+        for d, g, e in zip("qkv", got[1], expected[1]):
+            assert_close(g, e, atol=1e-5, what=f"{name} d{d}")
+    interpreted = jax.shard_map(lambda q, k, v, m: focus_sparse_attention(q, k, v, m, window=3, impl="pallas"),
+                                mesh=mesh, in_specs=(heads, heads, heads, rows), out_specs=heads)
+    with pytest.raises(ValueError, match=r"backend='interpret'.*check_vma=True.*\['data', 'tensor'\]"):
+        jax.jit(interpreted)(q, k, v, membership)
+
+
+@pytest.mark.parametrize("platform,backend", [("cuda", "triton"), ("tpu", "mosaic")])
+def test_lowering_inside_a_shard_map_that_checks_varying_axes(platform, backend):
+    """The Triton / Mosaic kernels (forward and backward) inside a user's `jax.shard_map` with `check_vma=True`,
+    lowered for CUDA / TPU without such a device: their outputs state the axes they vary over."""
+    b, t, h, hk, d = 4, 256, 4, 2, 64
+    q = jnp.zeros((b, t, h, d), jnp.bfloat16)
+    k = v = jnp.zeros((b, t, hk, d), jnp.bfloat16)
+    membership = topk_membership(jax.random.normal(jax.random.key(4), (b, t, 8)), 1)
+
+    def loss(q, k, v, membership):
+        out = ks.focus_sparse_pallas(q, k, v, membership, multiplier=0.1, window=32, block_size=128, backend=backend)
+        return jnp.sum(out.astype(jnp.float32))
+
+    heads = P("data", None, "tensor")
+    with lowering_target(platform, (2, 1, 2)):
+        grad = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=jax.sharding.get_abstract_mesh(),
+                             in_specs=(heads, heads, heads, P("data")), out_specs=heads)
+        text = jax.jit(grad).trace(q, k, v, membership).lower(lowering_platforms=(platform,)).as_text()
+    custom_call = {"cuda": "triton", "tpu": "tpu_custom_call"}[platform]
+    assert len([line for line in text.splitlines() if "custom_call" in line and custom_call in line.lower()]) == 6

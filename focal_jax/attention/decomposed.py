@@ -24,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from focal_jax._vma import vary_like
+
 BITS_PER_WORD = 31  # group-membership bits per int32 word (the sign bit is left unused)
 
 
@@ -223,7 +225,9 @@ def _forward(q, k, v, routing, settings):
     t, hk, g, _ = q.shape
     dv = v.shape[-1]
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
-    totals = (jnp.full((t + 1, hk, g), -jnp.inf), jnp.zeros((t + 1, hk, g)), jnp.zeros((t + 1, hk, g, dv)))
+    inputs = (q, k, v, *jax.tree.leaves(routing))
+    totals = vary_like((jnp.full((t + 1, hk, g), -jnp.inf), jnp.zeros((t + 1, hk, g)), jnp.zeros((t + 1, hk, g, dv))),
+                       *inputs)
 
     def band_block(block_index, totals):
         tile = _band_tile(routing, block_index, t, window, sink, block)
@@ -245,6 +249,7 @@ def _forward(q, k, v, routing, settings):
             return key_block + 1, _online_update(state, s, v[tile.key_token])
 
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
+        empty = vary_like(empty, *inputs)
         first = _first_key_block(routing, query_block, block)
         _, state = jax.lax.while_loop(lambda c: c[0] <= query_block, key_step, (first, empty))
         return _merge_into_tokens(totals, tokens, state)
@@ -287,6 +292,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
     delta = jnp.sum(d_out * out, axis=-1)
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
     lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out.astype(v.dtype)), _with_dummy_row(delta)
+    inputs = (q, k, v, lse, d_out, delta, *jax.tree.leaves(routing))
 
     def gather_queries(tokens):
         return QueryBlock(q[tokens], d_out[tokens], lse[tokens], delta[tokens])
@@ -302,7 +308,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
         dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, _zeros(query.q), dk, dv)
         return dq.at[tile.query_token].add(dq_block), dk, dv
 
-    grads = (_zeros(q), _zeros(k), _zeros(v))
+    grads = vary_like((_zeros(q), _zeros(k), _zeros(v)), *inputs)
     grads = jax.lax.fori_loop(0, -(-t // block), band_block, grads)
 
     def group_block(query_block, grads):
@@ -317,7 +323,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
 
         first = _first_key_block(routing, query_block, block)
         _, dq_block, dk, dv = jax.lax.while_loop(
-            lambda c: c[0] <= query_block, key_step, (first, _zeros(query.q), dk, dv))
+            lambda c: c[0] <= query_block, key_step, (first, vary_like(_zeros(query.q), *inputs), dk, dv))
         return dq.at[tokens].add(dq_block), dk, dv
 
     dq, dk, dv = jax.lax.fori_loop(0, _n_entry_blocks(routing, block), group_block, grads)
