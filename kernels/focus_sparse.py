@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plt
 
-from focal_jax._vma import shape_like, vary_like, varying_axes
+from focal_jax._axes import shape_like, vary_like, varying_axes
 from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
 from focal_jax.kernels.partition import per_shard

@@ -388,6 +388,38 @@ def test_decomposed_bf16_follows_float32_reference():
     assert low == total > 0
 
 
+def test_decomposed_promotes_mixed_dtypes_and_scales_the_float32_logits():
+    """As the reference and the Pallas kernels: q, k and v of different dtypes promote (float32 q with bf16 k was
+    rounded to bf16: error 4.5e-3), and a numeric temperature multiplies the float32 logits, not bf16 q (at t = 0.05
+    its rounding moved the output by 7.6e-2); gradients too. (A temperature traced by an outer jit is an array:
+    it still scales q.)"""
+    q, k, v, mem, kw, block = build_case("k2_T130_K5_block32")
+    decomposed = lambda q, k, v, **extra: focus_sparse_attention(q, k, v, mem, impl="decomposed", block_size=block, **kw, **extra)
+    mixed = (q, k.astype(jnp.bfloat16), v)
+    want = naive(*(x.astype(jnp.float32) for x in mixed), mem, **kw)
+    assert_close(decomposed(*mixed), want, atol=1e-5, what="float32 q, bf16 k")
+    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(decomposed(*a))), argnums=(0, 2))(*mixed)
+    expected = jax.grad(lambda *a: jnp.sum(jnp.sin(naive(*a, mem, **kw))), argnums=(0, 2))(
+        *(x.astype(jnp.float32) for x in mixed))
+    for name, g, e in zip("qv", grads, expected):
+        assert_close(g, e, atol=1e-4, what=f"float32 q, bf16 k: d{name}")
+
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    sharp = dict(kw, temperature=0.05)
+    want = naive(*(x.astype(jnp.float32) for x in bf16), mem, **sharp)
+    got = focus_sparse_attention(*bf16, mem, impl="decomposed", block_size=block, **sharp)
+    assert_close(got, want, atol=2e-2, what="bf16 at temperature 0.05")
+    cotangent = jax.random.normal(jax.random.key(6), want.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cotangent)
+    grads = jax.grad(loss(lambda *a: focus_sparse_attention(*a, mem, impl="decomposed", block_size=block, **sharp)),
+                     argnums=(0, 1, 2))(*bf16)
+    expected = jax.grad(loss(lambda *a: naive(*a, mem, **sharp)), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in bf16))
+    for name, g, e in zip("qkv", grads, expected):
+        scale = float(jnp.max(jnp.abs(e)))
+        assert_close(g.astype(jnp.float32) / scale, e / scale, atol=3e-2, what=f"bf16 at t = 0.05: d{name}")
+
+
 def test_softcap_caps_the_logits():
     """The softcap case is not trivially uncapped: its output differs from the same attention without the cap."""
     q, k, v, mem, kw, block = build_case("softcap_k2_sharp")

@@ -19,12 +19,13 @@ out of bounds and whatever is scattered to it is dropped.
 """
 
 import functools
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from focal_jax._vma import vary_like
+from focal_jax._axes import vary_like
 
 BITS_PER_WORD = 31  # group-membership bits per int32 word (the sign bit is left unused)
 
@@ -159,6 +160,7 @@ class Settings(NamedTuple):
     sink: int
     softcap: float | None
     block: int
+    scale: float | None  # a numeric multiplier of the float32 logits; None: an array one, already in q
 
 
 def _product(spec, a, b):
@@ -166,10 +168,11 @@ def _product(spec, a, b):
     return jnp.einsum(spec, a.astype(b.dtype), b, preferred_element_type=jnp.float32)
 
 
-def _raw_scores(q_block, k_block):
-    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> `q.k` `[bq, Hk, G, bk]` float32 (q already carries the
-    scale)."""
-    return _product("qhgd,khd->qhgk", q_block, k_block)
+def _raw_scores(q_block, k_block, scale):
+    """q_block `[bq, Hk, G, D]`, k_block `[bk, Hk, D]` -> `scale * q.k` `[bq, Hk, G, bk]` float32 (scale None: q
+    already carries the multiplier)."""
+    raw = _product("qhgd,khd->qhgk", q_block, k_block)
+    return raw if scale is None else raw * scale
 
 
 def _scores(raw, mask, softcap):
@@ -232,7 +235,7 @@ def _forward(q, k, v, routing, settings):
     def band_block(block_index, totals):
         tile = _band_tile(routing, block_index, t, window, sink, block)
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
-        s = _scores(_raw_scores(q[tile.query_token], k[tile.key_token]), tile.mask, settings.softcap)
+        s = _scores(_raw_scores(q[tile.query_token], k[tile.key_token], settings.scale), tile.mask, settings.softcap)
         state = _online_update(empty, s, v[tile.key_token])
         return _merge_into_tokens(totals, tile.query_token, state)
 
@@ -245,7 +248,7 @@ def _forward(q, k, v, routing, settings):
         def key_step(carry):
             key_block, state = carry
             tile = _group_tile(routing, query_block, key_block, t, block)
-            s = _scores(_raw_scores(q_block, k[tile.key_token]), tile.mask, settings.softcap)
+            s = _scores(_raw_scores(q_block, k[tile.key_token], settings.scale), tile.mask, settings.softcap)
             return key_block + 1, _online_update(state, s, v[tile.key_token])
 
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
@@ -272,14 +275,16 @@ class QueryBlock(NamedTuple):
     delta: jax.Array
 
 
-def _tile_grads(query, k_block, v_block, mask, softcap):
+def _tile_grads(query, k_block, v_block, mask, softcap, scale):
     """Gradient contributions of one tile: dq `[bq,Hk,G,D]`, dk `[bk,Hk,D]`, dv `[bk,Hk,Dv]`."""
-    raw = _raw_scores(query.q, k_block)
+    raw = _raw_scores(query.q, k_block, scale)
     p = jnp.exp(_scores(raw, mask, softcap) - query.lse[..., None])
     dp = _product("qhgd,khd->qhgk", query.d_out, v_block)
     ds = p * (dp - query.delta[..., None])
     if softcap is not None:
         ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
+    if scale is not None:
+        ds = ds * scale
     dq = _product("qhgk,khd->qhgd", ds, k_block)
     dk = _product("qhgk,qhgd->khd", ds, query.q)
     dv = _product("qhgk,qhgd->khd", p, query.d_out)
@@ -298,7 +303,8 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
         return QueryBlock(q[tokens], d_out[tokens], lse[tokens], delta[tokens])
 
     def add_tile(query, key_tokens, mask, dq_block, dk, dv):
-        tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask, settings.softcap)
+        tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask, settings.softcap,
+                                                        settings.scale)
         return dq_block + tile_dq, dk.at[key_tokens].add(tile_dk), dv.at[key_tokens].add(tile_dv)
 
     def band_block(block_index, grads):
@@ -354,8 +360,6 @@ def _sequence_attention_bwd(settings, residuals, d_out):
 _sequence_attention.defvjp(_sequence_attention_fwd, _sequence_attention_bwd)
 
 
-# Jitted as a whole: called eagerly, its loops over new closures compiled afresh at every call (0.8 s at T = 256).
-@functools.partial(jax.jit, static_argnames=("window", "sink", "softcap", "block_size", "max_groups"))
 def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
                          block_size=128, max_groups=None):
     """Hard Focus attention by the exact decomposition (inputs already validated by `focus_sparse_attention`).
@@ -363,22 +367,37 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     Args:
       q: `[B, T, H, D]`; k: `[B, T, Hk, D]`; v: `[B, T, Hk, Dv]`.
       membership: bool `[B, T, K]`.
-      multiplier: scale / temperature, a scalar or `[B, T, H]`.
+      multiplier: scale / temperature: a number, applied to the float32 logits, or an array, scalar or
+        `[B, T, H]` (it may be traced: a learned temperature), which scales q in q's dtype before the products.
       window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` keys are always visible.
       softcap: None or the logit cap (`softcap * tanh(logits / softcap)`).
       block_size: tile size.
       max_groups: at most this many groups per token (entry arrays of `max_groups * T` rows); None: K.
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype. Products run in the inputs' dtype (q, k and v share one) with float32
-      accumulation; the softmax in float32.
+      `[B, T, H, Dv]` in v's dtype. Products run in the dtype q, k and v promote to, with float32 accumulation;
+      the softmax in float32.
     """
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    if isinstance(multiplier, numbers.Real):
+        scale, per_query = float(multiplier), None
+    else:
+        scale, per_query = None, jnp.asarray(multiplier, jnp.float32)
+    out = _decomposed(q.astype(dtype), k.astype(dtype), v.astype(dtype), per_query, membership, segment_ids,
+                      window=window, sink=sink, softcap=softcap, block_size=block_size, max_groups=max_groups,
+                      scale=scale)
+    return out.astype(v.dtype)
+
+
+# Jitted as a whole: called eagerly, its loops over new closures compiled afresh at every call (0.8 s at T = 256).
+@functools.partial(jax.jit, static_argnames=("window", "sink", "softcap", "block_size", "max_groups", "scale"))
+def _decomposed(q, k, v, per_query, membership, segment_ids, *, window, sink, softcap, block_size, max_groups,
+                scale):
+    """`decomposed_attention` on one dtype, with a numeric multiplier as `scale` or an array one as `per_query`."""
     b, t, h, d = q.shape
     hk = k.shape[2]
-    multiplier = jnp.asarray(multiplier, jnp.float32)
-    if multiplier.ndim:
-        multiplier = multiplier[..., None]
-    scaled_q = (q.astype(jnp.float32) * multiplier).astype(q.dtype).reshape(b, t, hk, h // hk, d)
+    if per_query is not None:
+        q = (q.astype(jnp.float32) * (per_query[..., None] if per_query.ndim else per_query)).astype(q.dtype)
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     elif jnp.dtype(segment_ids.dtype).itemsize > 4:
@@ -388,7 +407,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size, max_groups))(membership, segment_ids)
 
     def one_sequence(args):
-        return _sequence_attention(*args, Settings(window, sink, softcap, block_size))
+        return _sequence_attention(*args, Settings(window, sink, softcap, block_size, scale))
 
-    out = jax.lax.map(one_sequence, (scaled_q, k, v, routing))
-    return out.reshape(b, t, h, v.shape[-1]).astype(v.dtype)
+    out = jax.lax.map(one_sequence, (q.reshape(b, t, hk, h // hk, d), k, v, routing))
+    return out.reshape(b, t, h, v.shape[-1])
