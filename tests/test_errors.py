@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -99,6 +100,48 @@ def test_integer_inputs_are_refused(fn, which):
     check_raises(lambda: ATTENTION_FNS[fn](qkv["q"], qkv["k"], qkv["v"]), which, "int32")
 
 
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_list_inputs_are_refused_by_name(fn, which):
+    """A Python list raised a bare AttributeError ('list' object has no attribute 'ndim'); lists are refused by
+    name, as JAX's own functions refuse them (convert with jnp.asarray)."""
+    qkv = {"q": Q, "k": KK, "v": V}
+    qkv[which] = qkv[which].tolist()
+    check_raises(lambda: ATTENTION_FNS[fn](qkv["q"], qkv["k"], qkv["v"]), which, "list")
+    qkv[which] = np.asarray(qkv[which], np.float32)  # numpy arrays are taken
+    assert ATTENTION_FNS[fn](qkv["q"], qkv["k"], qkv["v"]).shape == (B, T, H, D)
+
+
+def test_list_group_inputs_are_refused_by_name():
+    """g, membership, the routing and Sinkhorn inputs, x and w_tau as Python lists: AttributeError before."""
+    for fn, name in [
+        (lambda: focus_attention(Q, KK, V, G.tolist(), window=2), "g"),
+        (lambda: focus_sparse_attention(Q, KK, V, MEM.tolist(), window=2), "membership"),
+        (lambda: focus_sparse_attention(Q, KK, V, MEM.tolist(), window=2, impl="decomposed"), "membership"),
+        (lambda: focus_mask(MEM.tolist(), window=2), "membership"),
+        (lambda: topk_membership(G.tolist(), 1), "g"),
+        (lambda: routing_scores(HID.tolist(), W_G, ones(K, 4)), "h"),
+        (lambda: routing_scores(HID, W_G.tolist(), ones(K, 4)), "w_g"),
+        (lambda: routing_scores(HID, W_G, ones(K, 4).tolist()), "centroids"),
+        (lambda: sinkhorn(G.tolist()), "scores"),
+        (lambda: sinkhorn(G, valid=[[True] * T] * B), "valid"),
+        (lambda: learned_temperature(X.tolist(), W_TAU, tau_min=1.0, tau_max=2.0), "x"),
+        (lambda: learned_temperature(X, W_TAU.tolist(), tau_min=1.0, tau_max=2.0), "w_tau"),
+    ]:
+        check_raises(fn, name, "list")
+
+
+@pytest.mark.parametrize("fn", ["focal_attention", "focus_attention", "focus_sparse_attention_reference",
+                                "focus_sparse_attention_decomposed"])
+@pytest.mark.parametrize("bad", ["0.5", [0.5], None])
+def test_temperature_and_scale_that_are_not_numbers_or_arrays(fn, bad):
+    """A string (or a list, or None) temperature raised jnp's bare TypeError ('Error interpreting argument to
+    <function _reduce_min ...>'); it is a ValueError naming the argument and the value."""
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, temperature=bad), "temperature", repr(bad))
+    if bad is not None:  # (scale=None is the default, 1/sqrt(D))
+        check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, scale=bad), "scale", repr(bad))
+
+
 def test_segment_ids_shape():
     check_raises(lambda: focal_attention(Q, KK, V, segment_ids=jnp.zeros((B, T + 1), jnp.int32)), "segment_ids")
     check_raises(lambda: sinkhorn(G, segment_ids=jnp.zeros((B, T - 1), jnp.int32)), "segment_ids")
@@ -125,6 +168,28 @@ def test_tau_min_must_be_below_tau_max(tau_min, tau_max):
 @pytest.mark.parametrize("tau_min", [0.0, -1.0])
 def test_tau_min_must_be_positive(tau_min):
     check_raises(lambda: learned_temperature(X, W_TAU, tau_min=tau_min, tau_max=2.0), "tau_min", tau_min)
+
+
+def test_traced_tau_min_and_tau_max_are_taken():
+    """tau_min / tau_max given as jax.jit arguments raised TracerBoolConversionError (the `tau_min < tau_max`
+    check); they are computed with, their values checked only when concrete."""
+    x, w = jax.random.normal(jax.random.key(0), (B, T, 6)), jax.random.normal(jax.random.key(1), (6,))
+    for clip in ("hard", "smooth", "straight_through"):
+        eager = learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=7.0, clip=clip)
+        traced = jax.jit(lambda lo, hi: learned_temperature(x, w, tau_min=lo, tau_max=hi, bias=7.0, clip=clip))
+        np.testing.assert_allclose(traced(5.0, 10.0), eager, rtol=1e-6)
+    # 0-d arrays are numbers too, and are checked when concrete
+    check_raises(lambda: learned_temperature(X, W_TAU, tau_min=jnp.float32(3.0), tau_max=jnp.array(2.0)), "tau_min")
+
+
+@pytest.mark.parametrize("name", ["tau_min", "tau_max"])
+@pytest.mark.parametrize("bad", ["5", None, True, [5.0]])
+def test_tau_min_and_tau_max_must_be_numbers(name, bad):
+    """A string tau_max raised a bare TypeError ("'<' not supported between ..."), a list one an AttributeError."""
+    bounds = {"tau_min": 1.0, "tau_max": 2.0, name: bad}
+    check_raises(lambda: learned_temperature(X, W_TAU, **bounds), name, repr(bad))
+    bounds[name] = jnp.ones(2)  # not 0-d
+    check_raises(lambda: learned_temperature(X, W_TAU, **bounds), name, "shape (2,)")
 
 
 def test_unknown_mode_and_clip():

@@ -16,7 +16,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from focal_jax.convert.hf import from_hf, to_hf
+from focal_jax.convert.hf import from_hf, read_hf_config, to_hf
 from focal_jax.nn.attention import Attention, AttentionConfig
 from focal_jax.nn.generate import generate
 from focal_jax.nn.layers import rope, rope_inverse_frequencies
@@ -481,6 +481,12 @@ def test_a_bad_directory_or_config_json_is_named(tmp_path):
     (broken / "config.json").write_text("{model_type: llama}")
     with pytest.raises(ValueError, match=re.escape(f"{str(broken / 'config.json')!r} is not valid JSON")):
         from_hf(str(broken))
+    (broken / "config.json").write_text('[{"model_type": "llama"}]')  # (was an AttributeError: no .get on a list)
+    with pytest.raises(ValueError, match=re.escape(f"{str(broken / 'config.json')!r} holds a JSON array; expected a "
+                                                   f"JSON object")):
+        from_hf(str(broken))
+    with pytest.raises(ValueError, match=re.escape(f"{str(broken / 'config.json')!r} holds a JSON array")):
+        read_hf_config(str(broken))  # (what the trainer checks init_from with, before it builds any data)
 
 
 SHAPE = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)

@@ -1123,6 +1123,36 @@ def test_an_unsupported_hugging_face_directory_is_a_config_error(tmp_path, cache
         init_model(check_config(config))
 
 
+@pytest.mark.parametrize("config_json, family, message", [  # d: the directory's repr, c: its config.json's
+    ('{"model_type": "gpt_neox"}', "hf", "{d}: unsupported model_type='gpt_neox' in {c}"),
+    ('["llama"]', "hf", "{d}: {c} holds a JSON array; expected a JSON object"),
+    ("{model_type: llama}", "hf", "{d}: {c} is not valid JSON"),
+    (None, "hf", "{d} is neither a Hugging Face model directory (config.json next to *.safetensors weights) nor a "
+                 "focal_jax run (no checkpoint in {checkpoints}): {d} has no config.json"),
+    ('{"model_type": "llama"}', "llama", "{d} is a Hugging Face directory: set model.family='hf'"),
+])
+def test_a_bad_init_from_fails_before_the_data_is_built(tmp_path, cache_dir, config_json, family, message):
+    """A Hugging Face `init_from` that from_hf refuses (a bad or missing config.json), or one given to a family
+    other than 'hf', was found only when the model was built: after the data, and the tokenizer copied into the
+    workdir. `check_run` refuses it, as a ConfigError naming init_from, before anything is written."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    if config_json is not None:
+        (hf_dir / "config.json").write_text(config_json)
+    (hf_dir / "model.safetensors").write_bytes(b"")
+    message = re.escape("init_from=" + message.format(d=repr(str(hf_dir)), c=repr(str(hf_dir / "config.json")),
+                                                      checkpoints=hf_dir / "checkpoints"))
+    config = tiny(cache_dir, init_from=str(hf_dir))
+    if family == "hf":
+        config.model = {"family": "hf"}
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        trainer.check_run(config, str(workdir))
+    with pytest.raises(ConfigError, match=message):
+        train(config, str(workdir))
+    assert not workdir.exists() or not list(workdir.iterdir())  # no tokenizer copy, no metrics, no checkpoint
+
+
 def test_phase2_after_a_phase1_on_a_hugging_face_directory(tmp_path, cache_dir):
     """The Focus paper's Table 5 protocol on a GPT-2 directory: phase 1 trains centroids on the Hugging Face model,
     phase 2 (`focus_finetune.py:init_from=PHASE1`) starts from phase 1's whole model and trains every weight."""

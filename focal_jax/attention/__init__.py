@@ -2,6 +2,8 @@
 
 Layout `[batch, seq, heads, head_dim]`; kv heads divide q heads (GQA); `scale` defaults to `1/sqrt(head_dim)`;
 key j is local to query i iff `0 <= i - j <= window`; `segment_ids [batch, seq]` keep packed documents apart.
+Array arguments are jax or numpy arrays (a Python list is refused by name: convert it with `jnp.asarray`); logits,
+softmax and Sinkhorn run in float32, so float64 inputs (under `jax_enable_x64`) get float32 accuracy.
 See DESIGN.md for the conventions and `reference.py` for the naive versions everything is tested against.
 """
 

@@ -12,9 +12,32 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+NUMBERS = (int, float, np.floating, np.integer)
+
+
+def _shown(name, value) -> str:
+    """What a message says was given as `name`: `name=repr (a type)` when the repr is short, else the type."""
+    text, kind = repr(value), type(value).__name__
+    return f"{name}={text} (a {kind})" if len(text) <= 60 else f"a {kind} as {name}"
+
+
+def is_array(x) -> bool:
+    """A jax or numpy array, or a tracer of one (it has a shape, ndim and dtype); not a list or a number."""
+    return all(hasattr(x, attr) for attr in ("shape", "ndim", "dtype"))
+
+
+def check_array(name, x, layout):
+    """Refuses anything but an array (`is_array`) by name, as JAX's own functions refuse lists (a list read by
+    `.ndim` raised AttributeError); `layout` is its expected shape in words, e.g. '[batch, seq, K]'."""
+    if not is_array(x):
+        raise ValueError(f"{name} must be an array {layout} (a jax or numpy array: convert a list with "
+                         f"jnp.asarray), got {_shown(name, x)}")
+
+
 def check_qkv(q, k, v):
     """Checks q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv] with Hk dividing H. Returns (B, T, H, Hk)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x, "[batch, seq, heads, head_dim]")
         if x.ndim != 4:
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -63,9 +86,17 @@ def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
         raise ValueError(f"{name} must be an integer array, got dtype {segment_ids.dtype}")
 
 
+def check_number_or_array(name, value):
+    """Refuses by name what is neither a number nor an array (a string, a list: the bare TypeError of jnp)."""
+    if not (isinstance(value, NUMBERS) or is_array(value)):
+        raise ValueError(f"{name} must be a number or an array (a list: convert it with jnp.asarray), got "
+                         f"{_shown(name, value)}")
+
+
 def check_positive(name, value):
     """Checks a float > 0, or an array whose values are all > 0 when they can be inspected."""
-    if isinstance(value, (int, float, np.floating, np.integer)):
+    check_number_or_array(name, value)
+    if isinstance(value, NUMBERS):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {name}={value!r}")
     elif is_concrete(value):
@@ -76,7 +107,8 @@ def check_positive(name, value):
 
 def check_finite(name, value):
     """Checks a number, or an array whose values can be inspected now, is finite (inf or NaN: NaN outputs)."""
-    if isinstance(value, (int, float, np.floating, np.integer)):
+    check_number_or_array(name, value)
+    if isinstance(value, NUMBERS):
         finite = bool(np.isfinite(value))
     elif is_concrete(value):
         finite = bool(jnp.all(jnp.isfinite(value)))
@@ -84,6 +116,17 @@ def check_finite(name, value):
         return
     if not finite:
         raise ValueError(f"{name} must be a finite number, got {name}={value!r}")
+
+
+def check_scalar(name, value):
+    """A real number, or a 0-d real array (traced under `jax.jit` too: its value is then checked by nothing here)."""
+    if isinstance(value, bool) or not (isinstance(value, NUMBERS) or (
+            is_array(value) and value.ndim == 0 and (jnp.issubdtype(value.dtype, jnp.floating)
+                                                     or jnp.issubdtype(value.dtype, jnp.integer)))):
+        shown = (f"{name} of shape {value.shape} and dtype {value.dtype}" if is_array(value)
+                 else _shown(name, value))
+        raise ValueError(f"{name} must be a number (a Python or numpy number, or a 0-d array, traced or not), got "
+                         f"{shown}")
 
 
 def check_choice(name, value, choices):
@@ -99,7 +142,7 @@ def logit_multiplier(q, scale, temperature):
     check_positive("scale", scale)
     check_finite("scale", scale)  # (inf: every output NaN)
     check_positive("temperature", temperature)
-    if isinstance(temperature, (int, float, np.floating, np.integer)):
+    if isinstance(temperature, NUMBERS):
         return scale / temperature
     temperature = jnp.asarray(temperature)
     if temperature.ndim == 2:  # [B, T] (what learned_temperature returns) would broadcast against [T, H]
@@ -117,7 +160,7 @@ def logit_multiplier(q, scale, temperature):
 def check_softcap(softcap):
     """None (off) or a finite number > 0."""
     if softcap is not None:
-        if (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer))
+        if (isinstance(softcap, bool) or not isinstance(softcap, NUMBERS)
                 or not 0 < softcap < np.inf):  # inf or NaN: every logit NaN
             raise ValueError(f"softcap must be None or a finite number > 0 (logits -> softcap * tanh(logits / "
                              f"softcap)), got softcap={softcap!r}")

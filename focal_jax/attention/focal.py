@@ -117,9 +117,15 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
       softcap: None, or cap the scaled logits as `softcap * tanh(logits / softcap)` (Gemma-2 style).
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32). With bf16 inputs the products keep bf16
+      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32; float64 inputs under `jax_enable_x64` are
+      computed at float32 accuracy and returned as float64). With bf16 inputs the products keep bf16
       operands through a `jax.custom_vjp` (see `einsum_f32`): `jax.grad` works, forward mode (`jax.jvp`) does
       not; cast to float32 for it.
+
+    Raises:
+      ValueError naming the argument: q, k or v not an array (a list: convert it with `jnp.asarray`) or of
+      mismatched shapes, a temperature or scale that is not a number or array or not > 0, a bad window or
+      segment_ids.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -145,8 +151,24 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
 def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segment_ids=None, softcap=None):
     """Standard softmax attention, `softmax(q.k * scale) v`, the `temperature=1` case of `focal_attention`.
 
-    Shapes and arguments as `focal_attention`; equals `jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-    local_window_size=(window, 0))` for causal attention.
+    Equals `jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=(window, 0))` for causal
+    attention.
+
+    Args:
+      q: `[B, T, H, D]`; k: `[B, S, Hk, D]`; v: `[B, S, Hk, Dv]`, with Hk dividing H (GQA); arrays (jax or numpy).
+      scale: logit scale > 0, default `1/sqrt(D)`.
+      causal: key j visible to query i only if j <= i.
+      window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).
+      segment_ids: int `[B, T]`; tokens attend only within their own segment (packed documents). Causal, windowed
+        and segmented attention need `S == T`.
+      softcap: None, or cap the scaled logits as `softcap * tanh(logits / softcap)` (Gemma-2 style).
+
+    Returns:
+      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32; float64 inputs under `jax_enable_x64` are
+      computed at float32 accuracy and returned as float64).
+
+    Raises:
+      ValueError naming the argument, as `focal_attention`.
 
     Example:
       >>> import jax
@@ -174,7 +196,8 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
     Args:
       x: `[B, T, d_model]`, the attention input (after the pre-norm).
       w_tau: `[d_model]`, one per layer.
-      tau_min, tau_max: clip range (paper: 5 and 10 at head_dim 128), `tau_min < tau_max`.
+      tau_min, tau_max: clip range (paper: 5 and 10 at head_dim 128), `0 < tau_min < tau_max`: numbers, or 0-d
+        arrays (traced ones too, e.g. `jax.jit` arguments: their values are then not checked).
       mode: `'prefix'` (default, causal): the running mean over tokens <= i, so tau_i never sees the future;
         `'sequence'`: the paper's literal mean over all tokens of the row (tau_i depends on later tokens).
         Both reset at segment boundaries when `segment_ids` is given.
@@ -187,7 +210,8 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
       segment_ids: optional int `[B, T]`; the mean runs over the tokens of the token's own segment.
 
     Returns:
-      tau `[B, T]` in float32. Use it as `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])`.
+      tau `[B, T]` in float32 (float64 inputs under `jax_enable_x64` too). Use it as
+      `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -195,12 +219,16 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
       >>> tau.tolist()
       [[7.5, 7.5, 7.5, 7.5]]
     """
+    _validate.check_array("x", x, "[batch, seq, d_model]")
     if x.ndim != 3:
         raise ValueError(f"x must have shape [batch, seq, d_model], got shape {x.shape}")
+    _validate.check_array("w_tau", w_tau, f"[d_model] = ({x.shape[-1]},)")
     if w_tau.shape != (x.shape[-1],):
         raise ValueError(f"w_tau must have shape [d_model] = ({x.shape[-1]},), got shape {w_tau.shape}")
+    _validate.check_scalar("tau_min", tau_min)
+    _validate.check_scalar("tau_max", tau_max)
     _validate.check_positive("tau_min", tau_min)  # tau divides the logits
-    if not tau_min < tau_max:
+    if _validate.is_concrete(tau_min) and _validate.is_concrete(tau_max) and not tau_min < tau_max:
         raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
     _validate.check_choice("mode", mode, ("prefix", "sequence"))
     _validate.check_choice("clip", clip, ("hard", "smooth", "straight_through"))

@@ -38,6 +38,9 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
       >>> scores.shape, [s + 0.0 for s in jnp.round(scores[0, 0], 4).tolist()]  # + 0.0: zero's sign varies
       ((1, 3, 2), [10.0, 0.0])
     """
+    _validate.check_array("h", h, "[batch, seq, d_model]")
+    _validate.check_array("w_g", w_g, "[d_model, d_g]")
+    _validate.check_array("centroids", centroids, "[K, d_g]")
     if h.ndim != 3:
         raise ValueError(f"h must have shape [batch, seq, d_model], got shape {h.shape}")
     if w_g.ndim != 2 or w_g.shape[0] != h.shape[-1]:
@@ -79,6 +82,7 @@ def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):
     _validate.check_self_attention(q, k)
     _validate.check_window(window, allow_none=False)
     _check_sink(sink)
+    _validate.check_array(name, groups_like, "[batch, seq, K]")
     if groups_like.ndim != 3 or groups_like.shape[:2] != (b, t):
         raise ValueError(f"{name} must have shape [batch, seq, K] = [{b}, {t}, K], got shape {groups_like.shape}")
     if groups_like.shape[2] < 1:
@@ -118,7 +122,12 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       softcap: None, or `softcap * tanh(logits / softcap)` before the gate (FOCUS_SPEC OQ-13).
 
     Returns:
-      `[B, T, H, Dv]` in v's dtype.
+      `[B, T, H, Dv]` in v's dtype (logits and softmax in float32; float64 inputs under `jax_enable_x64` are
+      computed at float32 accuracy and returned as float64).
+
+    Raises:
+      ValueError naming the argument: q, k, v or g not an array (a list: convert it with `jnp.asarray`) or of
+      mismatched shapes, and the checks of `focal_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -158,6 +167,7 @@ def topk_membership(g, k):
       >>> topk_membership(jnp.array([[[0.1, 0.7, 0.2]]]), 2).tolist()
       [[[False, True, True]]]
     """
+    _validate.check_array("g", g, "[batch, seq, K]")
     if g.ndim != 3:
         raise ValueError(f"g must have shape [batch, seq, K], got shape {g.shape}")
     n_groups = g.shape[-1]
@@ -188,6 +198,7 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
       >>> focus_mask(m, window=0).astype(int).tolist()
       [[[1, 0, 0], [0, 1, 0], [1, 0, 1]]]
     """
+    _validate.check_array("membership", membership, "[batch, seq, K]")
     if membership.ndim != 3:
         raise ValueError(f"membership must have shape [batch, seq, K], got shape {membership.shape}")
     _check_membership_dtype(membership)
@@ -227,7 +238,12 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
 
     Returns:
       `[B, T, H, Dv]` in v's dtype. Every impl multiplies in the inputs' dtype (bf16: the probabilities and dS
-      rounded to bf16 for their products, as in flash attention) with float32 accumulation and a float32 softmax.
+      rounded to bf16 for their products, as in flash attention) with float32 accumulation and a float32 softmax;
+      float64 inputs under `jax_enable_x64` are computed at float32 accuracy and returned as float64.
+
+    Raises:
+      ValueError naming the argument: q, k, v or membership not an array (a list: convert it with `jnp.asarray`)
+      or of mismatched shapes, a floating-point membership, and the checks of `focal_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -59,6 +59,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
       >>> g.shape, bool(abs(g.sum(-1) - 1).max() < 1e-5)
       ((1, 16, 4), True)
     """
+    _validate.check_array("scores", scores, "[batch, seq, groups]")
     if scores.ndim != 3:
         raise ValueError(f"scores must have shape [batch, seq, groups], got shape {scores.shape}")
     b, t, k = scores.shape
@@ -69,6 +70,8 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     if not isinstance(unroll, bool):
         raise ValueError(f"unroll must be True or False, got unroll={unroll!r}")
     _validate.check_segment_ids(segment_ids, b, t)
+    if valid is not None:
+        _validate.check_array("valid", valid, f"[batch, seq] = {(b, t)}")
     if valid is not None and tuple(valid.shape) != (b, t):
         raise ValueError(f"valid must have shape [batch, seq] = {(b, t)}, got shape {valid.shape}")
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)

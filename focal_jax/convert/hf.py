@@ -165,6 +165,36 @@ LOADERS = {
 }
 
 
+def read_hf_config(directory) -> dict:
+    """The parsed config.json of a Hugging Face model directory, checked as far as `from_hf` can tell without its
+    tensors: `directory` is a directory, holds config.json, which is a JSON object whose `model_type` is one of
+    `LOADERS`. The trainer calls it to refuse a bad `init_from` before it builds any data.
+
+    Raises:
+      ValueError naming the directory or its config.json and what is wrong (and the supported model types).
+    """
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory (expected a Hugging Face model directory)")
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory!r} has no config.json")
+    with open(config_path) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_path!r} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path!r} holds a JSON {_JSON_KINDS.get(type(hf), type(hf).__name__)}; expected a "
+                         f"JSON object (the model's settings, with its model_type)")
+    model_type = hf.get("model_type")
+    if model_type not in LOADERS:
+        raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")
+    return hf
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def from_hf(directory, *, dtype=jnp.float32):
     """Build a focal_jax model from a Hugging Face model directory (config.json + *.safetensors), no network.
 
@@ -176,24 +206,13 @@ def from_hf(directory, *, dtype=jnp.float32):
       The model (e.g. `focal_jax.nn.llama.Llama`), dense attention; retrofit Focal / Focus afterwards.
 
     Raises:
-      ValueError naming the model_type when it is not supported, a missing tensor with its expected shape, or a
-      tensor of the wrong shape with both shapes.
+      ValueError naming the directory or its config.json when `read_hf_config` refuses them (not a directory, no
+      config.json, not a JSON object, a model_type that is not supported), a missing tensor with its expected
+      shape, or a tensor of the wrong shape with both shapes.
     """
     dtype = float_dtype(dtype)
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory!r} is not a directory (expected a Hugging Face model directory)")
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{directory!r} has no config.json")
-    with open(config_path) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{config_path!r} is not valid JSON: {e}") from None
-    model_type = hf.get("model_type")
-    if model_type not in LOADERS:
-        raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")
-    model = LOADERS[model_type](hf, _Tensors(read_safetensors(directory), directory), dtype)
+    hf = read_hf_config(directory)
+    model = LOADERS[hf["model_type"]](hf, _Tensors(read_safetensors(directory), directory), dtype)
     abstract = [path for path, x in nnx.to_flat_state(nnx.state(model))
                 if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
     if abstract:

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from focal_jax.convert.hf import from_hf
+from focal_jax.convert.hf import from_hf, read_hf_config
 from focal_jax.data import build_data, train_iterator
 from focal_jax.data.tokenizer import copy_tokenizer, tokenizer_file
 from focal_jax.nn.gpt2 import GPT2
@@ -393,6 +393,32 @@ def saves_finished(manager):
         manager.wait_until_finished()
 
 
+def check_init_from(run: RunConfig):
+    """ConfigError naming `init_from` when the run cannot start from it, found from its files alone (before any
+    data is built): a Hugging Face directory (config.json next to *.safetensors) for a model family other than
+    'hf', or one whose config.json `from_hf` refuses (`read_hf_config`: not a JSON object, an unsupported
+    model_type, ...); for family 'hf', a directory that is neither such a directory nor a focal_jax run (no
+    checkpoint). (A directory without a checkpoint for the other families is found when the run loads it.)"""
+    if not run.init_from:
+        return
+    if checkpoint.is_hf_directory(run.init_from):
+        if run.family != "hf":
+            raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
+        try:
+            read_hf_config(run.init_from)
+        except ValueError as e:
+            raise ConfigError(f"init_from={run.init_from!r}: {e}") from None
+    elif run.family == "hf" and not checkpoint.saved_steps(run.init_from):
+        neither = (f"init_from={run.init_from!r} is neither a Hugging Face model directory (config.json next to "
+                   f"*.safetensors weights) nor a focal_jax run (no checkpoint in "
+                   f"{checkpoint.checkpoint_dir(run.init_from)})")
+        try:
+            read_hf_config(run.init_from)
+        except ValueError as e:  # no config.json, or a bad one
+            raise ConfigError(f"{neither}: {e}") from None
+        raise ConfigError(f"{neither}: it has config.json but no *.safetensors file")
+
+
 def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict | None]:
     """`(run, config_data, resume_step, stored)` for a run of `config` in `workdir`: the checked config
     (`check_config`, with refused: the attention and data settings it would ignore, a window that covers every
@@ -401,8 +427,9 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
     (both None otherwise).
     ValueError naming a bad setting, a `workdir` that is a URL (metrics, plots and the tokenizer copy are written
     with file operations), a run there that this config cannot resume (another config, or a step past
-    `total_steps`), a data file that is missing (`check_data_files`), or a mesh that does not fit the devices or
-    the batch (`make_mesh`, `check_batch_layout`)."""
+    `total_steps`), an `init_from` the run cannot start from (`check_init_from`, a ConfigError: e.g. a Hugging Face
+    directory `from_hf` refuses), a data file that is missing (`check_data_files`), or a mesh that does not fit
+    the devices or the batch (`make_mesh`, `check_batch_layout`)."""
     run = check_config(config)
     check_attention_fields(run.model)
     check_data_fields(run.data)
@@ -426,6 +453,7 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
             raise ValueError(f"workdir {workdir} holds a checkpoint at step {resume_step}, past "
                              f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
                              f"new workdir")
+    check_init_from(run)
     check_data_files(run.data)
     check_batch_layout(make_mesh(run.mesh), run.batch_size, jax.process_count())
     return run, config_data, resume_step, stored
