@@ -6,15 +6,18 @@
   of their inputs' axes (`vary_like`, `shape_like`).
 - **Explicit axes** (a `jax.set_mesh` of a mesh made with `AxisType.Explicit`, `jax.make_mesh`'s default): every
   operation must say how its output is sharded, which `jnp.repeat`, `jnp.unique`, `vmap` over arrays built inside
-  and `lax.map` over a sharded batch do not. The functions run with those axes made Auto (`on_auto_axes`: jax's
-  `auto_axes`), XLA's partitioner splitting them, and return arrays sharded as their inputs.
+  and `lax.map` over a sharded batch do not. The functions run with those axes made Auto (`explicit_as_auto`:
+  jax's `auto_axes`), XLA's partitioner splitting them, and return arrays sharded as their inputs.
 
 Outside `shard_map` and without an Explicit mesh these are no-ops.
 """
 
+import contextlib
+import functools
+
 import jax
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
 def varying_axes(*arrays) -> frozenset:
@@ -49,21 +52,73 @@ def explicit_axes() -> tuple[str, ...]:
     return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
 
 
+def _made_auto(mesh):
+    """`mesh` (a concrete `jax.sharding.Mesh`) with its Explicit axes made Auto."""
+    types = tuple(AxisType.Auto if kind == AxisType.Explicit else kind for kind in mesh.axis_types)
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=types)
+
+
+@contextlib.contextmanager
+def auto_mesh():
+    """A context with the current mesh's Explicit axes made Auto (for a host-side loop of jitted steps whose
+    results come back to Python); without Explicit axes, nothing changes. Arrays already placed on the Explicit
+    mesh (a model's parameters after an `nnx.jit` there) go through `onto_auto_mesh`."""
+    if not explicit_axes():
+        yield
+        return
+    with jax.set_mesh(_made_auto(jax.sharding.get_mesh())):
+        yield
+
+
+def onto_auto_mesh(tree):
+    """`tree` with each array placed on a mesh with Explicit axes moved to that mesh with them Auto (the same
+    devices and split: no copy); other leaves as they are."""
+    def move(x):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or AxisType.Explicit not in sharding.mesh.axis_types:
+            return x
+        return jax.device_put(x, NamedSharding(_made_auto(sharding.mesh), sharding.spec))
+
+    return jax.tree.map(move, tree)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
 def leading_spec(x, n_leading: int, ndim: int) -> P:
-    """A `PartitionSpec` of `ndim` dimensions: the first `n_leading` as `x`'s sharding splits its own, the rest
-    whole (an output `[B, T, ...]` sharded as an input's batch and sequence)."""
-    spec = tuple(jax.typeof(x).sharding.spec) + (None,) * np.ndim(x)
-    return P(*spec[:n_leading], *(None,) * (ndim - n_leading))
+    """A `PartitionSpec` of `ndim` dimensions: the first `n_leading` split as `x`'s sharding splits its own, the
+    rest whole (an output `[B, T, ...]` sharded as an input's batch and sequence). Not an array: all whole."""
+    spec = tuple(jax.typeof(x).sharding.spec) if _is_array(x) else ()
+    spec = (spec + (None,) * ndim)[:n_leading]
+    return P(*spec, *(None,) * (ndim - n_leading))
 
 
-def on_auto_axes(fn, out_spec: P, *args, **kwargs):
-    """`fn(*args, **kwargs)`, run with the current mesh's Explicit axes made Auto when it has any; its output
-    resharded to `out_spec`. Array keyword arguments travel as arguments (resharded to the Auto mesh), the others
-    as they are."""
-    axes = explicit_axes()
-    if not axes:
-        return fn(*args, **kwargs)
-    arrays = {name: value for name, value in kwargs.items() if isinstance(value, (jax.Array, np.ndarray))}
-    static = {name: value for name, value in kwargs.items() if name not in arrays}
-    return jax.sharding.auto_axes(lambda args, arrays: fn(*args, **static, **arrays), axes=axes,
-                                  out_sharding=out_spec)(args, arrays)
+def explicit_as_auto(out_spec):
+    """Decorator: under a mesh with Explicit axes, the function runs with them made Auto (jax's `auto_axes`) and
+    its output is resharded to `out_spec(*args, **kwargs)`; otherwise it runs as it is. Its array arguments travel
+    as arguments (resharded onto the Auto mesh), the others (numbers, strings, lists to refuse) as they are."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def on_auto_axes(*args, **kwargs):
+            axes = explicit_axes()
+            if not axes:
+                return fn(*args, **kwargs)
+            arrays = [a for a in args if _is_array(a)], {n: v for n, v in kwargs.items() if _is_array(v)}
+
+            def with_arrays(positional, named):
+                positional = iter(positional)
+                return fn(*(next(positional) if _is_array(a) else a for a in args), **{**kwargs, **named})
+
+            return jax.sharding.auto_axes(with_arrays, axes=axes, out_sharding=out_spec(*args, **kwargs))(*arrays)
+
+        return on_auto_axes
+
+    return wrap
+
+
+def like_first(n_leading: int, ndim: int):
+    """`explicit_as_auto`'s `out_spec` for an output of `ndim` dimensions whose first `n_leading` are those of the
+    first argument (attention `[B, T, H, Dv]` as q's `[B, T, H, D]`: `like_first(3, 4)`)."""
+    return lambda first, *args, **kwargs: leading_spec(first, n_leading, ndim)

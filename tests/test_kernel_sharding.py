@@ -9,14 +9,20 @@ import re
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from focal_jax import attention as fa
 from focal_jax.attention import focus_sparse_attention, reference, topk_membership
+from focal_jax.eval.decode import greedy_decode
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.kernels.partition import Layout, layout
 from focal_jax.nn.attention import Attention, AttentionConfig
+from focal_jax.nn.generate import generate
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
+from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.train.sharding import batch_sharding, tree_shardings
 from helpers import assert_close, lowering_target, rand_qkv
 
@@ -278,3 +284,76 @@ def test_lowering_inside_a_shard_map_that_checks_varying_axes(platform, backend)
         text = jax.jit(grad).trace(q, k, v, membership).lower(lowering_platforms=(platform,)).as_text()
     custom_call = {"cuda": "triton", "tpu": "tpu_custom_call"}[platform]
     assert len([line for line in text.splitlines() if "custom_call" in line and custom_call in line.lower()]) == 6
+
+
+def test_attention_functions_under_an_explicit_mesh():
+    """Under `jax.set_mesh` of a mesh with Explicit axes (`jax.make_mesh`'s default), with q, k, v split over
+    'data' (batch) and 'tensor' (heads; one kv head a device) and the routing inputs over 'data': every public
+    function gives the unsharded call's values, sharded as its inputs (`jnp.repeat` of the kv heads, `jnp.unique`
+    and `vmap` of the segment reductions and the decomposed path's `lax.map` over the batch raised before), and
+    the attention functions their gradients, sharded as q, k, v."""
+    mesh = jax.make_mesh((2, 1, 2), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:4])
+    b, t = 4, 24
+    q, k, v = rand_qkv(13, b, t, 4, 2, 8)
+    scores = jax.random.normal(jax.random.key(14), (b, t, 3))
+    x, w_tau = jax.random.normal(jax.random.key(15), (b, t, 16)), jax.random.normal(jax.random.key(16), (16,))
+    args = (q, k, v, scores, topk_membership(scores, 1), jnp.zeros((b, t), jnp.int32).at[:, 13:].set(1), x)
+    sparse = lambda impl: lambda q, k, v, s, m, seg, x: focus_sparse_attention(
+        q, k, v, m, window=3, impl=impl, block_size=8, segment_ids=seg, temperature=0.7)
+    attention = {
+        "dot_product_attention": lambda q, k, v, s, m, seg, x: fa.dot_product_attention(q, k, v, window=5,
+                                                                                          segment_ids=seg),
+        "focal_attention": lambda q, k, v, s, m, seg, x: fa.focal_attention(q, k, v, temperature=0.5,
+                                                                            segment_ids=seg),
+        "focus_attention": lambda q, k, v, s, m, seg, x: fa.focus_attention(q, k, v, s, window=3, segment_ids=seg),
+        **{f"focus_sparse_attention {impl}": sparse(impl) for impl in ("reference", "decomposed", "pallas")},
+    }
+    routing = {
+        "sinkhorn": lambda q, k, v, s, m, seg, x: fa.sinkhorn(s, segment_ids=seg),
+        "sinkhorn causal": lambda q, k, v, s, m, seg, x: fa.sinkhorn(s, segment_ids=seg, causal=True, unroll=False),
+        "focus_mask": lambda q, k, v, s, m, seg, x: fa.focus_mask(m, window=3, segment_ids=seg),
+        "learned_temperature": lambda q, k, v, s, m, seg, x: fa.learned_temperature(x, w_tau, tau_min=0.5,
+                                                                                     tau_max=8.0, segment_ids=seg),
+    }
+    want = {name: fn(*args) for name, fn in {**attention, **routing}.items()}
+    loss = lambda fn: lambda q, k, v, *rest: jnp.sum(jnp.sin(fn(q, k, v, *rest)))
+    want_grads = {name: jax.grad(loss(fn), argnums=(0, 1, 2))(*args) for name, fn in attention.items()}
+    heads, rows = P("data", None, "tensor"), P("data")
+    leading = lambda spec: (tuple(spec) + (None,) * 3)[:3]
+    with jax.set_mesh(mesh):
+        sharded = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, (heads,) * 3 + (rows,) * 4)]
+        for name, fn in {**attention, **routing}.items():
+            got = jax.jit(fn)(*sharded)
+            assert leading(jax.typeof(got).sharding.spec) == leading(heads if name in attention else rows), name
+            assert_close(got, want[name], atol=1e-5, what=name)
+        for name, fn in attention.items():
+            grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(*sharded)
+            for d, g, e in zip("qkv", grads, want_grads[name]):
+                assert leading(jax.typeof(g).sharding.spec) == leading(heads), (name, d, jax.typeof(g))
+                assert_close(g, e, atol=1e-5, what=f"{name} d{d}")
+
+
+def test_models_generate_and_decode_under_an_explicit_mesh():
+    """`Llama` (dense, soft and hard Focus) and `GPT2` called under a mesh with Explicit axes on tokens split over
+    'data': the unsharded logits, split over the batch as the tokens (their embedding gather raised before); so
+    do `generate` and `greedy_decode`, whose jitted steps took the model's parameters onto that mesh."""
+    mesh = jax.make_mesh((2, 1, 2), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:4])
+    focus = dict(kind="focal+focus", focal_t=0.4, focus_window=2, focus_groups=4, focus_dim=8)
+    models = {name: Llama(LlamaConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                      intermediate=48, attn=attn), rngs=nnx.Rngs(0))
+              for name, attn in [("dense", {}), ("soft focus", focus),
+                                 ("hard focus", dict(focus, focus_topk=1, impl="decomposed"))]}
+    models["gpt2"] = GPT2(GPT2Config(vocab_size=61, n_positions=32, d_model=32, n_layers=2, n_heads=4),
+                          rngs=nnx.Rngs(1))
+    tokens = jax.random.randint(jax.random.key(17), (4, 12), 0, 61)
+    want = {name: model(tokens) for name, model in models.items()}
+    want_generated = generate(models["gpt2"], tokens[:, :5], max_new_tokens=4)
+    want_decoded = greedy_decode(models["gpt2"], [[1, 2, 3], [4, 5]], max_new_tokens=4)
+    with jax.set_mesh(mesh):
+        split = jax.device_put(tokens, NamedSharding(mesh, P(BATCH)))
+        for name, model in models.items():
+            got = nnx.jit(lambda model, tokens: model(tokens))(model, split)
+            assert jax.typeof(got).sharding.spec[0] == BATCH, (name, jax.typeof(got))
+            assert_close(got, want[name], atol=1e-5, what=name)
+        np.testing.assert_array_equal(generate(models["gpt2"], split[:, :5], max_new_tokens=4), want_generated)
+        assert greedy_decode(models["gpt2"], [[1, 2, 3], [4, 5]], max_new_tokens=4) == want_decoded

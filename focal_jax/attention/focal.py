@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from focal_jax._axes import explicit_as_auto, like_first
 from focal_jax.attention import _validate
 from focal_jax.attention.masks import attention_mask
 from focal_jax.attention.segments import segment_prefix, segment_total
@@ -100,6 +101,7 @@ def attend(logits, v, mask):
     return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
 
 
+@explicit_as_auto(like_first(3, 4))
 def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window=None, segment_ids=None,
                     softcap=None):
     """Temperature-scaled attention (Focal Attention, Eq. 5): `softmax(q.k * scale / temperature) v`.
@@ -148,6 +150,7 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
     return attend(attention_logits(q, k, multiplier, softcap), v, mask)
 
 
+@explicit_as_auto(like_first(3, 4))
 def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segment_ids=None, softcap=None):
     """Standard softmax attention, `softmax(q.k * scale) v`, the `temperature=1` case of `focal_attention`.
 
@@ -190,6 +193,7 @@ def _clip(z, tau_min, tau_max, clip):
     return tau_min + width * jax.nn.sigmoid(4.0 * (z - midpoint) / width)
 
 
+@explicit_as_auto(like_first(2, 2))
 def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard", bias=0.0, segment_ids=None):
     """Focal Attention's learned temperature (Eq. 6): `tau = clip(mean(x @ w_tau) + bias, tau_min, tau_max)`.
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from focal_jax._axes import explicit_as_auto, like_first
 from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import decomposed_attention
 from focal_jax.attention.focal import attend, attention_logits
@@ -102,6 +103,7 @@ def _visible(b, t, window, segment_ids, sink):
     return causal, always
 
 
+@explicit_as_auto(like_first(3, 4))
 def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperature=1.0, scale=None,
                     segment_ids=None, sink=0, softcap=None):
     """Focus soft-gated attention, the training form (dense, O(T^2)).
@@ -180,6 +182,7 @@ def topk_membership(g, k):
     return jnp.any(jax.nn.one_hot(top, n_groups, dtype=jnp.int32) > 0, axis=-2)
 
 
+@explicit_as_auto(like_first(2, 3))
 def focus_mask(membership, *, window, segment_ids=None, sink=0):
     """The hard Focus mask: query i sees key j iff `j <= i`, same segment, and (`i - j <= window` or they share a
     group or `j < sink`).
@@ -211,6 +214,7 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
     return causal & (always | group_mask(membership, membership))
 
 
+@explicit_as_auto(like_first(3, 4))
 def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
                            sink=0, softcap=None, impl="reference", block_size=None, max_groups=None):
     """Hard Focus attention at inference: plain (scaled) logits under `focus_mask`, no gate values.

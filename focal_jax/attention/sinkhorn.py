@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from focal_jax._axes import explicit_as_auto, like_first
 from focal_jax.attention import _validate
 from focal_jax.attention.segments import prefix_over_runs, segment_labels, segment_runs, total_over_labels
 
@@ -29,6 +30,7 @@ def _column_logsumexp(segment_ids, causal):
     return lambda log_q: per_row(log_q, labels)
 
 
+@explicit_as_auto(like_first(2, 3))
 def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, unroll=True):
     """Balanced soft assignment of tokens to groups by Sinkhorn iterations in the log domain.
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax._axes import auto_mesh, onto_auto_mesh
 from focal_jax._validation import check_int
 from focal_jax.nn.attention import check_decodable
 from focal_jax.nn.generate import _bucket, _bucket_floor, init_cache
@@ -245,8 +246,16 @@ def greedy_decode(model, prompts: list[list[int]], *, max_new_tokens: int, eos_i
     if not prompts:
         return []
 
+    with auto_mesh():  # under a mesh with Explicit axes, its jitted steps run with them Auto
+        return _decode_all(model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, stop=stop,
+                           batch_size=batch_size, n_positions=n_positions)
+
+
+def _decode_all(model, prompts, *, max_new_tokens, eos_id, stop, batch_size, n_positions):
+    """`greedy_decode` of checked, non-empty `prompts`."""
     cached = can_cache(model)
     graphdef, state = nnx.split(model)
+    state = onto_auto_mesh(state)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows = min(batch_size, len(prompts))
     outputs = [None] * len(prompts)

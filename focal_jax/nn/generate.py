@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax._axes import explicit_axes, leading_spec
 from focal_jax._validation import check_int
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import attention_layers, check_model
@@ -183,8 +184,11 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
     tokens = np.zeros((b, width), np.int32)
     tokens[:, :t0] = np.asarray(prompt)
     graphdef, state = nnx.split(model)
-    out = _generate(graphdef, state, tokens, jnp.int32(t0), jnp.int32(total), rng, jnp.float32(temperature),
-                    jnp.float32(top_p), prefill=_bucket_floor(t0), sampling=temperature > 0, nucleus=top_p < 1)
+    run = functools.partial(_generate, graphdef)
+    if explicit_axes():  # the model's parameters, arguments here, are resharded onto the mesh made Auto
+        run = jax.sharding.auto_axes(run, axes=explicit_axes(), out_sharding=leading_spec(prompt, 1, 2))
+    out = run(state, tokens, jnp.int32(t0), jnp.int32(total), rng, jnp.float32(temperature), jnp.float32(top_p),
+              prefill=_bucket_floor(t0), sampling=temperature > 0, nucleus=top_p < 1)
     return out[:, :total]
 
 

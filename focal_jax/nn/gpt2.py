@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._axes import explicit_as_auto
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import apply_block, embed, rows_at
+from focal_jax.nn.layers import apply_block, embed, model_output_spec, rows_at
 from focal_jax.nn.llama import segment_positions
 
 ACTIVATIONS = {
@@ -176,6 +177,7 @@ class GPT2(nnx.Module):
         self.h = nnx.List([GPT2Block(config, rngs=rngs) for _ in range(config.n_layers)])
         self.ln_f = nnx.LayerNorm(config.d_model, epsilon=config.layer_norm_eps, rngs=rngs)
 
+    @explicit_as_auto(model_output_spec)
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, V]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.

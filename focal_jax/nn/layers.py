@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax._axes import leading_spec
 from focal_jax.attention.segments import segment_labels
 
 
@@ -195,3 +196,12 @@ def rows_at(x, logits_at):
             raise ValueError(f"logits_at must be sequence indices in [0, {x.shape[1]}), got values from "
                              f"{concrete.min()} to {concrete.max()}")
     return jnp.take_along_axis(x, logits_at[:, :, None], axis=1, mode="clip")
+
+
+def model_output_spec(model, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
+    """The sharding of `model(tokens, ...)`'s output under a mesh with Explicit axes (`explicit_as_auto`): logits
+    `[B, T, V]` split over the batch as `tokens` is; with a `cache`, the new cache as the given one."""
+    logits = leading_spec(tokens, 1, 3)
+    if cache is None:
+        return logits
+    return logits, jax.tree.map(lambda x: leading_spec(x, jnp.ndim(x), jnp.ndim(x)), cache)

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._axes import explicit_as_auto
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.attention.segments import segment_prefix
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
-from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, rows_at
+from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, model_output_spec, rows_at
 
 # The AttentionConfig fields that LlamaConfig.attention derives from its own fields (`attn` may not set them).
 DERIVED_ATTENTION_FIELDS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "out_bias", "qk_norm",
@@ -136,6 +137,7 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
 
+    @explicit_as_auto(model_output_spec)
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, vocab]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
