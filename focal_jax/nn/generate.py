@@ -108,6 +108,22 @@ def _sample(logits, rng, temperature, top_p, *, sampling: bool, nucleus: bool):
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def _bucket(n: int) -> int:
+    """The smallest of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four values per octave) that is >= n."""
+    if n <= 8:
+        return 8
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _bucket_floor(n: int) -> int:
+    """The largest of 8, 10, 12, 14, 16, 20, ... that is <= n; 1 when n < 8."""
+    if n < 8:
+        return 1
+    step = 1 << (n.bit_length() - 3)
+    return n // step * step
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "prefill", "sampling", "nucleus"))
 def _generate(graphdef, state, tokens, prompt_len, total, rng, temperature, top_p, *, prefill, sampling, nucleus):
     """`tokens [B, W]` with the prompt in its first `prompt_len` columns, continued up to column `total` (< W: the
@@ -191,18 +207,3 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
               prefill=_bucket_floor(t0), sampling=temperature > 0, nucleus=top_p < 1)
     return out[:, :total]
 
-
-def _bucket(n: int) -> int:
-    """The smallest of 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... (four values per octave) that is >= n."""
-    if n <= 8:
-        return 8
-    step = 1 << ((n - 1).bit_length() - 3)
-    return -(-n // step) * step
-
-
-def _bucket_floor(n: int) -> int:
-    """The largest of 8, 10, 12, 14, 16, 20, ... that is <= n; 1 when n < 8."""
-    if n < 8:
-        return 1
-    step = 1 << (n.bit_length() - 3)
-    return n // step * step
