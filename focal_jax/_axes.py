@@ -17,6 +17,7 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -83,6 +84,8 @@ def onto_auto_mesh(tree):
 
 
 def _is_array(x) -> bool:
+    """What travels through `auto_axes`: a jax array (a tracer too) or a numpy array. (`_validate.is_array` is the
+    looser duck-typed test of what the attention functions accept.)"""
     return isinstance(x, (jax.Array, np.ndarray))
 
 
@@ -94,10 +97,21 @@ def leading_spec(x, n_leading: int, ndim: int) -> P:
     return P(*spec, *(None,) * (ndim - n_leading))
 
 
+def _as_tree(value):
+    """`value` as a pytree whose leaves can travel through `auto_axes`, and the function that rebuilds it: an
+    `nnx.Module` becomes its state (parameters placed on the Explicit mesh must travel too, not be captured)."""
+    if isinstance(value, nnx.Module):
+        graphdef, state = nnx.split(value)
+        return state, lambda travelled: nnx.merge(graphdef, travelled)
+    return value, lambda travelled: travelled
+
+
 def explicit_as_auto(out_spec):
     """Decorator: under a mesh with Explicit axes, the function runs with them made Auto (jax's `auto_axes`) and
-    its output is resharded to `out_spec(*args, **kwargs)`; otherwise it runs as it is. Its array arguments travel
-    as arguments (resharded onto the Auto mesh), the others (numbers, strings, lists to refuse) as they are."""
+    its output is resharded to `out_spec(*args, **kwargs)`; otherwise it runs as it is. Every array in its arguments
+    travels as an argument of `auto_axes` (resharded onto the Auto mesh): top-level arrays, the leaves of pytrees
+    (a KV cache) and the state of `nnx.Module`s (a model's `self`); the rest (numbers, strings, lists to refuse)
+    are passed as they are. The function must not modify a module argument's state (it runs on a copy)."""
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -105,13 +119,17 @@ def explicit_as_auto(out_spec):
             axes = explicit_axes()
             if not axes:
                 return fn(*args, **kwargs)
-            arrays = [a for a in args if _is_array(a)], {n: v for n, v in kwargs.items() if _is_array(v)}
+            trees = [_as_tree(a) for a in args], {n: _as_tree(v) for n, v in kwargs.items()}
+            leaves, treedef = jax.tree.flatten(([t for t, _ in trees[0]], {n: t for n, (t, _) in trees[1].items()}))
 
-            def with_arrays(positional, named):
-                positional = iter(positional)
-                return fn(*(next(positional) if _is_array(a) else a for a in args), **{**kwargs, **named})
+            def with_arrays(arrays):
+                arrays = iter(arrays)
+                positional, named = jax.tree.unflatten(treedef, [next(arrays) if _is_array(x) else x for x in leaves])
+                return fn(*(rebuild(t) for t, (_, rebuild) in zip(positional, trees[0])),
+                          **{n: trees[1][n][1](t) for n, t in named.items()})
 
-            return jax.sharding.auto_axes(with_arrays, axes=axes, out_sharding=out_spec(*args, **kwargs))(*arrays)
+            arrays = [x for x in leaves if _is_array(x)]
+            return jax.sharding.auto_axes(with_arrays, axes=axes, out_sharding=out_spec(*args, **kwargs))(arrays)
 
         return on_auto_axes
 

@@ -76,6 +76,22 @@ def test_non_positive_temperature(fn, bad):
     check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, temperature=bad), "temperature", bad)
 
 
+@pytest.mark.parametrize("fn", ["focal_attention", "focus_attention", "focus_sparse_attention_reference",
+                                "focus_sparse_attention_decomposed"])
+@pytest.mark.parametrize("transform", [jax.jit, jax.checkpoint])
+def test_a_temperature_array_captured_by_a_transformation_is_checked_not_traced(fn, transform):
+    """A concrete per-query temperature array that a jitted or checkpointed function closes over: its values are
+    checked as in eager mode (a ConcretizationTypeError before), a good one gives the eager output, a bad one the
+    named error."""
+    f = ATTENTION_FNS[fn]
+    q = jax.random.normal(jax.random.key(0), (B, T, H, D))
+    good = jnp.linspace(0.5, 2.0, B * T * H).reshape(B, T, H)
+    np.testing.assert_allclose(transform(lambda: f(q, q, q, temperature=good))(), f(q, q, q, temperature=good),
+                               rtol=1e-5, atol=1e-6)
+    for bad in (good.at[0, 3, 1].set(0.0), good.at[0, 3, 1].set(-1.0)):
+        check_raises(transform(lambda: f(q, q, q, temperature=bad)), "temperature")
+
+
 @pytest.mark.parametrize("fn", list(ATTENTION_FNS))
 @pytest.mark.parametrize("bad", [0.0, float("inf")])
 def test_non_positive_or_infinite_scale(fn, bad):

@@ -20,7 +20,7 @@ from focal_jax.eval.decode import greedy_decode
 from focal_jax.kernels import focus_sparse as ks
 from focal_jax.kernels.partition import Layout, layout
 from focal_jax.nn.attention import Attention, AttentionConfig
-from focal_jax.nn.generate import generate
+from focal_jax.nn.generate import generate, init_cache
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.train.sharding import batch_sharding, tree_shardings
@@ -357,3 +357,44 @@ def test_models_generate_and_decode_under_an_explicit_mesh():
             assert_close(got, want[name], atol=1e-5, what=name)
         np.testing.assert_array_equal(generate(models["gpt2"], split[:, :5], max_new_tokens=4), want_generated)
         assert greedy_decode(models["gpt2"], [[1, 2, 3], [4, 5]], max_new_tokens=4) == want_decoded
+
+
+def test_models_whose_parameters_and_cache_live_on_an_explicit_mesh():
+    """A model whose parameters were placed on a mesh with Explicit axes (`device_put`, or any `nnx.jit` there),
+    called eagerly, under `nnx.jit` and `nnx.grad`, and decoding with a KV cache made there (`init_cache`): the
+    logits and gradients off the mesh. Before, the module and the cache were captured, not passed, into jax's
+    `auto_axes`, and every one of these calls raised jax's mesh-mismatch error."""
+    mesh = jax.make_mesh((2, 1, 2), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:4])
+    hard_focus = dict(kind="focal+focus", focal_t=0.4, focus_window=2, focus_groups=4, focus_dim=8, focus_topk=1,
+                      focus_causal=True, impl="decomposed")
+    models = {"llama hard focus": Llama(LlamaConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                    intermediate=48, attn=hard_focus), rngs=nnx.Rngs(0)),
+              "gpt2": GPT2(GPT2Config(vocab_size=61, n_positions=32, d_model=32, n_layers=2, n_heads=4),
+                           rngs=nnx.Rngs(1))}
+    tokens = jax.random.randint(jax.random.key(18), (4, 11), 0, 61)
+
+    def loss(model, tokens):
+        return jnp.mean(model(tokens) ** 2)
+
+    for name, model in models.items():
+        want = model(tokens)
+        want_grads = nnx.grad(loss)(model, tokens)
+        with jax.set_mesh(mesh):
+            nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh, P())))
+            split = jax.device_put(tokens, NamedSharding(mesh, P(BATCH)))
+            call = nnx.jit(lambda model, tokens: model(tokens))
+            for how, got in [("eager", lambda: model(split)), ("jit", lambda: call(model, split)),
+                             ("jit again", lambda: call(model, split))]:
+                got = got()
+                assert jax.typeof(got).sharding.spec[0] == BATCH, (name, how, jax.typeof(got))
+                assert_close(got, want, atol=1e-5, what=f"{name} {how}")
+            grads = nnx.jit(nnx.grad(loss))(model, split)
+            want_flat = dict(nnx.to_flat_state(want_grads))
+            for path, g in nnx.to_flat_state(grads):
+                assert_close(g[...], want_flat[path][...], atol=1e-6, what=f"{name} d{path}")
+            cache = init_cache(model, 4, 16)
+            logits, cache = model(split[:, :8], cache=cache)
+            assert_close(logits, want[:, :8], atol=1e-5, what=f"{name} prefill")
+            for i in range(8, 11):
+                logits, cache = nnx.jit(lambda model, t, c: model(t, cache=c))(model, split[:, i:i + 1], cache)
+                assert_close(logits[:, 0], want[:, i], atol=1e-5, what=f"{name} decode step {i}")

@@ -100,7 +100,8 @@ def check_positive(name, value):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {name}={value!r}")
     elif is_concrete(value):
-        smallest = float(jnp.min(value)) if jnp.size(value) else 1.0
+        with jax.ensure_compile_time_eval():  # a concrete array captured by a jit or checkpoint being traced
+            smallest = float(jnp.min(value)) if jnp.size(value) else 1.0
         if not smallest > 0:
             raise ValueError(f"{name} must be > 0 everywhere, got an array with minimum {smallest}")
 
@@ -111,7 +112,8 @@ def check_finite(name, value):
     if isinstance(value, NUMBERS):
         finite = bool(np.isfinite(value))
     elif is_concrete(value):
-        finite = bool(jnp.all(jnp.isfinite(value)))
+        with jax.ensure_compile_time_eval():
+            finite = bool(jnp.all(jnp.isfinite(value)))
     else:
         return
     if not finite:
