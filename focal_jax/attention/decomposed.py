@@ -304,7 +304,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
 
     def add_tile(query, key_tokens, mask, dq_block, dk, dv):
         tile_dq, tile_dk, tile_dv = _tile_grads(query, k[key_tokens], v[key_tokens], mask, settings.softcap,
-                                                        settings.scale)
+                                                settings.scale)
         return dq_block + tile_dq, dk.at[key_tokens].add(tile_dk), dv.at[key_tokens].add(tile_dv)
 
     def band_block(block_index, grads):
