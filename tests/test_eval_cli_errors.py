@@ -7,7 +7,7 @@ import json
 import pytest
 from flax import nnx
 
-from focal_jax.eval import diagnostics, perplexity, recall
+from focal_jax.eval import diagnostics, helmet, perplexity, recall
 from focal_jax.eval.diagnostics import Run
 from focal_jax.nn.llama import Llama, LlamaConfig
 
@@ -42,8 +42,77 @@ def test_diagnostics_bad_topk_and_top_are_usage_errors(monkeypatch, capsys):
 
 def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
     _stub_run(monkeypatch, perplexity, {"kind": "dense"})
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "0"], "rope_ntk_factor=0.0")
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "-1"], "rope_ntk_factor=-1.0")
+    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "0"], "must be >= 1, got '0'")
+    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "-1"], "must be >= 1, got '-1'")
+
+
+def _no_loading(monkeypatch):
+    """Every command's loading of its run (and the diagnostics' evaluation) fails the test: what is refused must be
+    refused before it."""
+    def loaded(*args, **kwargs):
+        pytest.fail("loaded (or evaluated) the run before refusing the arguments")
+
+    for module, name in ((perplexity, "load_run"), (diagnostics, "load_run"), (recall, "load_for_decoding"),
+                         (helmet, "load_for_decoding")):
+        monkeypatch.setattr(module, name, loaded)
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_run_loads(tmp_path, monkeypatch, capsys):
+    """An --out (--png) that is a directory, or below a file, used to fail only after the whole evaluation, its
+    results lost; recall's --out names a directory, so there an existing file is refused."""
+    _no_loading(monkeypatch)
+    a_file = tmp_path / "file.json"
+    a_file.write_text("{}")
+    for main in perplexity.main, diagnostics.main:
+        _usage_error(capsys, main, ["--workdir", "RUN", "--out", str(tmp_path)],
+                     f"--out={tmp_path} is a directory; expected the path of a file")
+        _usage_error(capsys, main, ["--workdir", "RUN", "--out", str(a_file / "x.json")], f"{a_file} is a file")
+    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--png", str(tmp_path)],
+                 f"--png={tmp_path} is a directory")
+    _usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file)],
+                 f"--out={a_file} is a file; expected a directory")
+    _usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file / "sub")], f"{a_file} is a file")
+    for flag in "--out", "--png":
+        _usage_error(capsys, helmet.main, ["--workdir", "RUN", "--data", "DATA", flag, str(tmp_path)],
+                     f"{flag}={tmp_path} is a directory")
+    _usage_error(capsys, helmet.main, ["--workdir", str(a_file), "--data", "DATA"],  # the default: WORKDIR/helmet.json
+                 f"{a_file} is a file")
+
+
+def test_outputs_that_can_be_written_are_accepted(tmp_path):
+    """An existing file is overwritten and a missing folder made where the command makes it (perplexity,
+    diagnostics, recall); harness's --output needs its folder to exist."""
+    from focal_jax.eval._cli import output_dir_error, output_file_error
+
+    a_file = tmp_path / "file.json"
+    a_file.write_text("{}")
+    assert output_file_error("--out", str(a_file), make_folder=False) == ""
+    assert output_file_error("--out", str(tmp_path / "new" / "x.json"), make_folder=True) == ""
+    assert output_file_error("--out", "x.json", make_folder=False) == ""  # the working directory
+    assert output_file_error("--output", str(tmp_path / "new" / "x.json"), make_folder=False) == (
+        f"--output={tmp_path / 'new' / 'x.json'}: its directory {tmp_path / 'new'} does not exist; expected an "
+        f"existing directory (create it)")
+    assert output_dir_error("--out", str(tmp_path)) == output_dir_error("--out", str(tmp_path / "a" / "b")) == ""
+
+
+def test_diagnostics_without_entropy_of_a_model_without_focus_is_a_usage_error(monkeypatch, capsys):
+    """It used to print nothing and exit 0 (the routing tables are all it prints without the entropy)."""
+    _stub_run(monkeypatch, diagnostics, {"kind": "focal", "focal_t": 0.5})
+    monkeypatch.setattr(diagnostics, "diagnose", lambda *args, **kwargs: pytest.fail("evaluated"))
+    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy"],
+                 "--no-entropy leaves nothing to report for a model without Focus layers (attention kind ['focal'])")
+
+
+def test_rope_ntk_factor_below_one_is_a_usage_error(monkeypatch, capsys):
+    """Dynamic NTK scaling needs a factor >= 1 (as Hugging Face's 'dynamic' rope type); 0.5 used to be accepted."""
+    _no_loading(monkeypatch)
+    for main, required in (perplexity.main, []), (recall.main, []), (helmet.main, ["--data", "DATA"]):
+        for value in "0.5", "nan":
+            _usage_error(capsys, main, ["--workdir", "RUN", *required, "--rope-ntk-factor", value],
+                         f"argument --rope-ntk-factor: the dynamic NTK scaling factor must be >= 1, got '{value}'")
+    for value in 0.5, float("nan"), float("inf"):  # the library's own check (the Python API, a training config)
+        with pytest.raises(ValueError, match=f"rope_ntk_factor={value}: the dynamic NTK scaling factor must be"):
+            recall.with_rope_ntk(_llama({"kind": "dense"}), value, trained_len=16)
 
 
 def test_recall_with_every_cell_skipped_writes_json_and_no_plot(tmp_path, monkeypatch, capsys):

@@ -345,6 +345,20 @@ def test_command_line_names_an_unknown_task_before_loading_the_model(tmp_path, l
     assert "--tasks names no task: ','" in capsys.readouterr().err
 
 
+def test_command_line_refuses_an_output_it_cannot_write_before_loading_the_model(tmp_path, local_task, capsys):
+    """--output is written once every task has run: a directory, or a file in a missing directory, used to fail
+    only then, the results lost. (tmp_path is not a run: had the model loaded, the error would name its tokenizer.)"""
+    from focal_jax.eval import harness
+
+    for output, needle in ((tmp_path, f"--output={tmp_path} is a directory; expected the path of a file"),
+                           (tmp_path / "missing" / "res.json", f"its directory {tmp_path / 'missing'} does not exist")):
+        with pytest.raises(SystemExit) as info:
+            harness.main(["--workdir", str(tmp_path), "--tasks", "focal_jax_qa", "--include_path",
+                          str(local_task.parent), "--output", str(output)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and needle in err and "tokenizer.model" not in err, err
+
+
 def test_generate_until_keeps_the_end_of_a_long_prompt(model, tokenizer):
     """A prompt longer than `max_length - max_gen_toks` loses its first tokens (the end of the context, next to
     what is generated, is kept): the output is the greedy continuation of the last 20 prompt tokens."""

@@ -1064,6 +1064,30 @@ def test_throughput_leaves_evaluation_out(tmp_path, cache_dir, monkeypatch):
     assert all(r["tokens_per_s"] >= tokens_per_step / 10 for r in records), records
 
 
+def test_throughput_leaves_checkpoint_saves_out(tmp_path, cache_dir, monkeypatch):
+    """tokens_per_s (and mfu) count training time only: a checkpoint save between two logged steps (here 1000 s of
+    a fake clock that otherwise ticks 1 s per reading) used to be charged to the next interval."""
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1.0
+        return clock[0]
+
+    save = checkpoint.save
+
+    def slow_save(*args, **kwargs):
+        clock[0] += 1000.0
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(checkpoint, "save", slow_save)
+    config = tiny(cache_dir, total_steps=3, log_every=1, ckpt_every=1)
+    records = train(config, str(tmp_path / "run"))
+    tokens_per_step = config.batch_size * config.data.seq_len
+    assert [r["step"] for r in records] == [1, 2, 3] and latest_step(str(tmp_path / "run")) == 3
+    assert all(r["tokens_per_s"] >= tokens_per_step / 10 for r in records), records
+
+
 def test_a_changed_schedule_on_resume_is_noted(tmp_path, cache_dir, capsys):
     workdir = str(tmp_path / "run")
     train(tiny(cache_dir, total_steps=2), workdir)

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
+from focal_jax.eval._cli import output_file_error
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import segment_positions
 from focal_jax.nn.models import attention_layers, check_model
@@ -614,6 +615,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.top < 1:
         parser.error(f"--top must be an integer >= 1, got --top={args.top}")
+    for flag, path in (("--out", args.out), ("--png", args.png)):  # checked now, not after the evaluation
+        if path and (problem := output_file_error(flag, path, make_folder=True)):
+            parser.error(problem)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step)
@@ -630,6 +634,9 @@ def main(argv=None) -> dict:
             parser.error(f"--topk={args.topk}: {e}")
     if args.png and args.no_entropy and not is_focus(model):
         parser.error("--png with --no-entropy has nothing to plot for a model without Focus routing")
+    if args.no_entropy and not is_focus(model):  # the routing tables below are all there is without the entropy
+        parser.error(f"--no-entropy leaves nothing to report for a model without Focus layers (attention kind "
+                     f"{sorted({c.kind for c in attention_configs(model)})}): drop --no-entropy for the entropy")
     print(f"diagnostics of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
           f"{np.shape(run.batches[0]['inputs'])} tokens", flush=True)
     result = diagnose(model, run.batches, top=args.top, entropy=not args.no_entropy, progress=True)

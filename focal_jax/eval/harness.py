@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from focal_jax._validation import check_int
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
+from focal_jax.eval._cli import output_file_error
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import check_model
@@ -373,6 +374,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="0 skips the standard errors")
     parser.add_argument("--output", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
+    if args.output and (problem := output_file_error("--output", args.output, make_folder=False)):
+        parser.error(problem)  # now, not after the evaluation
 
     import lm_eval
     from lm_eval.tasks import TaskManager

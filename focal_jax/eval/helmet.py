@@ -98,6 +98,7 @@ from typing import Callable
 import numpy as np
 
 from focal_jax._validation import check_distinct, check_int
+from focal_jax.eval._cli import output_file_error, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
@@ -1172,9 +1173,9 @@ def main(argv=None) -> dict:
                         help="drop whole passages / demonstrations (default) or truncate the context (HELMET)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
-    parser.add_argument("--rope-ntk-factor", type=float, default=None,
-                        help="dynamic NTK scaling of RoPE past the trained length (models with RoPE only; the Focal "
-                             "paper's 64K evaluation)")
+    parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
+                        help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only; the "
+                             "Focal paper's 64K evaluation)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
     parser.add_argument("--out", default=None, help="results JSON (default: WORKDIR/helmet.json)")
@@ -1183,6 +1184,11 @@ def main(argv=None) -> dict:
 
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     data_dir = os.path.abspath(os.path.expanduser(args.data))
+    out = os.path.abspath(os.path.expanduser(args.out or os.path.join(workdir, "helmet.json")))
+    png = os.path.abspath(os.path.expanduser(args.png or os.path.splitext(out)[0] + ".png"))
+    for flag, path in (("--out", out), ("--png", png)):  # checked now, not after the evaluation
+        if problem := output_file_error(flag, path, make_folder=True):
+            parser.error(problem)
     try:
         specs = resolve_datasets(args.datasets)
         _check_lengths(args.lengths)
@@ -1197,8 +1203,6 @@ def main(argv=None) -> dict:
     except (FileNotFoundError, ValueError, ImportError) as e:
         parser.error(str(e))
     print(format_table(result))
-    out = os.path.abspath(os.path.expanduser(args.out or os.path.join(workdir, "helmet.json")))
-    png = os.path.abspath(os.path.expanduser(args.png or os.path.splitext(out)[0] + ".png"))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     record = {"workdir": workdir, "step": step, "data": data_dir, "seed": args.seed, "fit": args.fit,
               "topk": args.topk, "rope_ntk_factor": args.rope_ntk_factor, "n": args.n, **result}

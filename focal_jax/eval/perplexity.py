@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.attention import topk_membership
+from focal_jax.eval._cli import output_file_error, rope_ntk_factor
 from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
                                         is_focus, load_run, prefix_sums, real_tokens, routed_layers)
 from focal_jax.nn.attention import IMPLS, record_attention
@@ -327,8 +328,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the trained length)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="rows per batch (default: the run's, scaled to keep the tokens per batch)")
-    parser.add_argument("--rope-ntk-factor", type=float, default=None,
-                        help="dynamic NTK scaling of RoPE past the trained length (models with RoPE only)")
+    parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
+                        help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")
     parser.add_argument("--window", type=int, default=None,
                         help="evaluate under a sliding window: key j visible iff 0 <= i - j <= WINDOW (dense / focal "
                              "models; e.g. pretrained weights zero-shot, the Focus paper's Table 1 baseline)")
@@ -336,6 +337,8 @@ def main(argv=None) -> list[dict]:
                         help="attention implementation of the hard rows (of the one row of a non-Focus model)")
     parser.add_argument("--out", help="write the rows (and the settings) as JSON here")
     args = parser.parse_args(argv)
+    if args.out and (problem := output_file_error("--out", args.out, make_folder=True)):
+        parser.error(problem)  # now, not after the evaluation
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step)

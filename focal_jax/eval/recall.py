@@ -39,6 +39,7 @@ from matplotlib.figure import Figure
 
 from focal_jax._validation import check_distinct, check_int
 from focal_jax.data.synthetic import Example, make_examples, score
+from focal_jax.eval._cli import output_dir_error, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.models import attention_layers
@@ -296,7 +297,8 @@ def with_topk(model, topk: int):
 
 def with_rope_ntk(model, factor: float, *, trained_len: int):
     """`model` (a `Llama`) switched in place to dynamic NTK RoPE scaling past `trained_len` tokens
-    (`focal_jax.nn.layers.dynamic_ntk_theta`). Raises ValueError for a model without rotary embeddings (GPT-2)."""
+    (`focal_jax.nn.layers.dynamic_ntk_theta`). Raises ValueError for a factor below 1 (Hugging Face's 'dynamic'
+    rope type requires >= 1 too) and for a model without rotary embeddings (GPT-2)."""
     if any(attn.config.rope_theta is None for attn in attention_layers(model)):
         raise ValueError(f"rope_ntk_factor={factor!r} needs rotary embeddings; this {type(model).__name__} model "
                          f"has none")
@@ -343,12 +345,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
-    parser.add_argument("--rope-ntk-factor", type=float, default=None,
-                        help="dynamic NTK scaling of RoPE past the trained length (models with RoPE only)")
+    parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
+                        help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
     parser.add_argument("--out", default=None, help="output directory (default: the workdir)")
     args = parser.parse_args(argv)
+    if args.out and (problem := output_dir_error("--out", os.path.expanduser(args.out))):
+        parser.error(problem)  # now, not after the evaluation
 
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     tasks = [t for t in args.tasks.split(",") if t]

@@ -204,7 +204,10 @@ class AttentionConfig:
                              f"{self.rope_ntk_factor!r}, rope_trained_len={self.rope_trained_len!r}")
         self._check_rope_scaling()
         if self.rope_ntk_factor is not None:
-            _positive("rope_ntk_factor", self.rope_ntk_factor)
+            if isinstance(self.rope_ntk_factor, bool) or not isinstance(self.rope_ntk_factor, (int, float)) or not (
+                    1 <= self.rope_ntk_factor < math.inf):  # (Hugging Face's 'dynamic' rope type: >= 1 too)
+                raise ValueError(f"rope_ntk_factor={self.rope_ntk_factor!r}: the dynamic NTK scaling factor must be a "
+                                 f"finite number >= 1")
             _int("rope_trained_len", self.rope_trained_len, 1)
         if self.softcap is not None:
             _positive("softcap", self.softcap)

@@ -584,16 +584,22 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
                 logged.append({"step": step, **metrics})
                 progress.update(step, loss=metrics["loss"], tokens_per_s=tokens_per_s, mfu=utilisation)
 
+            # tokens_per_s and mfu count training time only: the time of evaluations and checkpoint saves is left
+            # out, each clocked once the steps dispatched before it have run
             if eval_batches and (step % run.eval_every == 0 or step == run.total_steps):
+                jax.block_until_ready(trainable)
                 eval_start = time.perf_counter()
                 writer.write(step, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
-                last_time += time.perf_counter() - eval_start  # tokens_per_s and mfu count training time only
+                last_time += time.perf_counter() - eval_start
 
             preempted = stop.received or manager.reached_preemption(step)
             stopping = preempted or step == stop_after
             if step % run.ckpt_every == 0 or step == run.total_steps or stopping:
+                jax.block_until_ready(trainable)
+                save_start = time.perf_counter()
                 checkpoint.save(manager, step, params=saved_params(trainable), opt_state=opt_state,
                                 data_state=data_iter.get_state(), meta={**meta, "step": step}, force=True)
+                last_time += time.perf_counter() - save_start
             if stopping:
                 log(f"stopping at step {step} ({'SIGTERM' if preempted else 'requested'}); checkpoint saved")
                 break
