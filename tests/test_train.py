@@ -1715,3 +1715,64 @@ def test_relative_data_paths_are_kept_as_the_files_they_named(tmp_path, cache_di
     monkeypatch.chdir(tmp_path)
     train(config, workdir)
     assert latest_step(workdir) == 2
+
+
+def _rewrite_params(workdir, edit):
+    """Rewrite the latest checkpoint's saved parameters of `workdir` as `edit(params)` (a nested dict) leaves them:
+    a damaged or partly copied checkpoint."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(checkpoint.checkpoint_dir(workdir), str(latest_step(workdir)), "params")
+    checkpointer = ocp.StandardCheckpointer()
+    params = checkpointer.restore(path)
+    edit(params)
+    shutil.rmtree(path)
+    checkpointer.save(path, params)
+    checkpointer.wait_until_finished()
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_when_loaded_and_when_resumed(tmp_path, cache_dir):
+    """A checkpoint whose q_proj was deleted: `load_model` (every evaluator) used to load it silently with that
+    parameter at its random initial value, and a resume failed with orbax's traceback naming no parameter; one of
+    the wrong shape, resumed, named no parameter either. Each is now a ConfigError naming the parameter (and both
+    shapes)."""
+    trained = str(tmp_path / "run")
+    train(tiny(cache_dir, total_steps=1), trained)
+    q_proj = "layers/0/self_attn/q_proj/kernel"
+    missing, misshapen = str(tmp_path / "missing"), str(tmp_path / "misshapen")
+    shutil.copytree(trained, missing)
+    _rewrite_params(missing, lambda params: params["layers"]["0"]["self_attn"].pop("q_proj"))
+    shutil.copytree(trained, misshapen)
+    kernel = np.shape(load_model(trained).layers[0].self_attn.q_proj.kernel)
+
+    def halve(params):
+        attention = params["layers"]["0"]["self_attn"]
+        attention["q_proj"]["kernel"] = attention["q_proj"]["kernel"][:, : kernel[1] // 2]
+
+    _rewrite_params(misshapen, halve)
+    with pytest.raises(ConfigError, match=re.escape(f"in {missing!r} is missing parameters its run saved: "
+                                                    f"['{q_proj}']")):
+        load_model(missing)
+    with pytest.raises(ConfigError, match=re.escape(f"cannot resume from the checkpoint of step 1 in {missing!r}: "
+                                                    f"parameters missing: ['{q_proj}']")):
+        train(tiny(cache_dir, total_steps=2), missing)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"parameters of the wrong shape: ['{q_proj}: checkpoint {(kernel[0], kernel[1] // 2)} vs model {kernel}']")):
+        train(tiny(cache_dir, total_steps=2), misshapen)
+    assert latest_step(missing) == latest_step(misshapen) == 1
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path, cache_dir):
+    """Two runs in one workdir (a job submitted twice, a requeue while the first still runs) used to write the same
+    checkpoints: one crashed saving, the other hung. The second is now refused by name, before it writes anything,
+    and the workdir is free again once the first ends, also by an exception."""
+    workdir = str(tmp_path / "run")
+    with checkpoint.workdir_lock(workdir):
+        with pytest.raises(ConfigError, match=re.escape(f"workdir {workdir} is in use by another training run (pid "
+                                                        f"{os.getpid()} on ")):
+            train(tiny(cache_dir, total_steps=1), workdir)
+        assert sorted(os.listdir(workdir)) == [checkpoint.LOCK_FILE]
+    with pytest.raises(ConfigError, match="model vocab_size=256 is smaller"):  # fails once the workdir is held
+        train(tiny(cache_dir, total_steps=1, model=dict(tiny(cache_dir).model, vocab_size=256)), workdir)
+    train(tiny(cache_dir, total_steps=1), workdir)
+    assert latest_step(workdir) == 1

@@ -8,18 +8,55 @@ like the latest one. Init precedence: resume the run's own workdir > `init_from`
 Hugging Face directory; only the parameters the config declares as new may be missing) > scratch.
 """
 
+import contextlib
+import fcntl
 import json
 import os
+import socket
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from focal_jax.train.config import ConfigError
 from focal_jax.train.optimizer import path_str
 
 
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+LOCK_FILE = "train.lock"
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+    """Hold `WORKDIR/train.lock` while a run trains there. A second run started in the same workdir (a job
+    submitted twice, a requeue while the first still runs) gets a ConfigError naming the holder, instead of two
+    runs writing the same checkpoints. The lock is an advisory `flock`, released when the block ends or the process
+    dies (killed too); none is held on a file system without `flock` (some network mounts). Process 0 holds it for
+    a multi-process run."""
+    if jax.process_index() != 0:
+        yield
+        return
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, LOCK_FILE)
+    with open(path, "a+") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process that wrote no name"
+            raise ConfigError(f"workdir {workdir} is in use by another training run ({holder} holds {path}): wait "
+                              f"for it to end, stop it, or use another workdir") from None
+        except OSError:  # no flock here: the run goes on unguarded
+            pass
+        else:
+            file.seek(0)
+            file.truncate()
+            file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            file.flush()
+        yield
 
 
 def make_manager(workdir: str, *, keep: int = 3, create: bool = True) -> ocp.CheckpointManager:

@@ -11,14 +11,16 @@ import dataclasses
 import json
 import math
 import os
+import re
 import typing
 
 import jax.numpy as jnp
 import ml_collections
 
+from focal_jax._validation import is_integer
 from focal_jax.data.config import FILE_SOURCES, DataConfig
 from focal_jax.data.sources import expand_paths
-from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, unread_fields
+from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, AttentionConfig, unread_fields
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import DERIVED_ATTENTION_FIELDS, FOCAL_SIZES, LlamaConfig, focal_config
 from focal_jax.nn.lora import LoRAConfig
@@ -27,6 +29,7 @@ from focal_jax.train.optimizer import OptimConfig
 
 FAMILIES = ("llama", "gpt2", "hf")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SEED_LIMIT = 2**32  # grain's shuffle takes seeds below it (`focal_jax.data.pipeline`)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -84,10 +87,27 @@ def _check_keys(where: str, keys, allowed):
                          f"{where.rstrip('.') or 'the config'}: {sorted(allowed)}")
 
 
-def _as_dict(value) -> dict:
+def _as_dict(value, where: str | None = None) -> dict:
+    """A config section (a ConfigDict, a dict, None for empty) as a dict; with `where` (its dotted name), a
+    ValueError naming it when it is not a section (e.g. `config.mesh = 4` in a config file)."""
     if value is None:
         return {}
-    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else dict(value)
+    if isinstance(value, ml_collections.ConfigDict):
+        return value.to_dict()
+    if where is not None and not isinstance(value, typing.Mapping):
+        raise ValueError(f"{where} must be a section (a dict of its fields), got {where}={value!r}")
+    return dict(value)
+
+
+def _named(where: str, error: ValueError, names) -> ValueError:
+    """`error` with the field name its message starts with put under its section `where`, e.g. DataConfig's
+    'seq_len must be ...' as 'data.seq_len must be ...'; `error` itself when its message starts with no name of
+    `names` (messages that name their class, 'GPT2Config: ...', 'FocalConfig: ...', or their section, 'optim.lr
+    ...', stay as they are)."""
+    first = re.match(r"\w+", str(error))
+    if first is None or first.group() not in names:
+        return error
+    return ValueError(where + str(error))
 
 
 def _dataclass(cls, where: str, values: dict):
@@ -99,7 +119,10 @@ def _dataclass(cls, where: str, values: dict):
         raise ValueError(f"{where.rstrip('.')} needs {', '.join(where + name for name in missing)} (it has "
                          f"{sorted(values) or 'nothing'})")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise _named(where, e, [f.name for f in fields]) from None
 
 
 class ConfigError(ValueError):
@@ -150,12 +173,16 @@ def model_config(section: dict) -> tuple[str, LlamaConfig | GPT2Config | None]:
     if family == "gpt2":
         return family, _dataclass(GPT2Config, "model.", section)
     size = section.pop("size", None)
-    _check_keys("model.", section, [f.name for f in dataclasses.fields(LlamaConfig)])
-    if size is None:
-        return family, LlamaConfig(**section)
-    if size not in FOCAL_SIZES:
+    names = [f.name for f in dataclasses.fields(LlamaConfig)]
+    _check_keys("model.", section, names)
+    if size is not None and size not in FOCAL_SIZES:
         raise ValueError(f"model.size={size!r} is not one of {tuple(FOCAL_SIZES)}")
-    return family, focal_config(size, **section)
+    try:
+        return family, LlamaConfig(**section) if size is None else focal_config(size, **section)
+    except ValueError as e:  # a LlamaConfig field, else an attention setting (LlamaConfig builds its AttentionConfig)
+        named = _named("model.", e, names)
+        raise (_named("model.attn.", e, [f.name for f in dataclasses.fields(AttentionConfig)]) if named is e
+               else named) from None
 
 
 RETROFITS = {"focal": FocalConfig, "focus": FocusConfig, "lora": LoRAConfig}
@@ -219,13 +246,19 @@ def check_data_files(data: DataConfig) -> None:
 def check_windows(run: RunConfig) -> None:
     """ValueError when a window the config sets for training covers every key of its sequences: a Focus window
     (`model.attn.focus_window` of a Focus kind, `retrofit.focus.window`; Focus would route no token by group, so its
-    centroids would never train) or a retrofit's sliding window (`retrofit.window`; it would change nothing) of at
-    least `data.seq_len - 1` (key j is local to query i iff `0 <= i - j <= window`)."""
+    centroids would never train) or a sliding window, the model's own (`model.attn.window`, GPT-2's
+    `model.window`) or a retrofit's (`retrofit.window`; it would change nothing: the run would train full causal
+    attention), of at least `data.seq_len - 1` (key j is local to query i iff `0 <= i - j <= window`). Only for
+    training: a stored run is evaluated at any length."""
     seq_len = run.data.seq_len
     windows = []
-    if run.model is not None and run.model.attention.kind in FOCUS_KINDS:
+    attention = None if run.model is None else run.model.attention
+    if attention is not None and attention.kind in FOCUS_KINDS:
         field = "model.focus_window" if run.family == "gpt2" else "model.attn.focus_window"
-        windows.append((field, run.model.attention.focus_window, "Focus would route no token by group"))
+        windows.append((field, attention.focus_window, "Focus would route no token by group"))
+    elif attention is not None and attention.window is not None:
+        field = "model.window" if run.family == "gpt2" else "model.attn.window"
+        windows.append((field, attention.window, "the window would change nothing"))
     for change in run.retrofit:
         if isinstance(change, FocusConfig):
             windows.append(("retrofit.focus.window", change.window, "Focus would route no token by group"))
@@ -262,12 +295,35 @@ def check_routing_trains(run: RunConfig) -> None:
                          f"({field} None) and evaluate with hard top-k, or set balance_weight > 0")
 
 
+def warmup_note(run: RunConfig) -> str | None:
+    """One line saying what the learning-rate schedule does with a warmup longer than the schedule
+    (`optim.warmup_steps` > `optim.decay_steps`, which defaults to `total_steps`): `learning_rate_schedule` cuts the
+    warmup to `decay_steps`; None when the warmup fits or the run trains no step. A note, not an error: a short run
+    of a config made for a long one is a common smoke test (`default_config()` itself: 2000 warmup steps of 100)."""
+    warmup, total, decay = run.optim.warmup_steps, run.total_steps, run.optim.decay_steps
+    if total == 0 or warmup <= (decay or total):
+        return None
+    if decay is None:
+        return (f"optim.warmup_steps={warmup} is longer than the run, total_steps={total} (where the schedule ends, "
+                f"optim.decay_steps being None): the warmup is cut to {total} steps, so the learning rate rises the "
+                f"whole run, to {total - 1}/{total} of optim.lr={run.optim.lr:g} at its last step, and never "
+                f"decays; set optim.warmup_steps below {total} to decay")
+    return (f"optim.warmup_steps={warmup} is longer than optim.decay_steps={decay} (where the schedule ends): the "
+            f"warmup is cut to {decay} steps, after which the learning rate reaches optim.lr={run.optim.lr:g} and "
+            f"falls to optim.final_lr_fraction={run.optim.final_lr_fraction:g} of it one step later (no cosine "
+            f"decay); set optim.warmup_steps below {decay}")
+
+
 def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     """Validate `config` against `default_config()` and build a `RunConfig`; raises ValueError naming any unknown
-    key or bad value."""
+    key or bad value (a field of a section by its dotted name, e.g. `data.seq_len`)."""
     defaults = default_config()
     _check_keys("", config.keys(), defaults.keys())
     merged = {k: config.get(k, defaults[k]) for k in defaults.keys()}
+    seed = merged["seed"]
+    if not is_integer(seed) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer >= 0 and < 2**32 (the data shuffle's limit), got seed={seed!r}")
+    sections = {name: _as_dict(merged[name], name) for name in ("mesh", "retrofit", "model", "data", "optim")}
     for name in ("total_steps", "batch_size", "log_every", "eval_every", "ckpt_every", "keep_checkpoints",
                  "eval_batches"):
         # 0 steps: a zero-shot baseline; 0 eval batches: no evaluation
@@ -275,39 +331,41 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {name}={value!r}")
     for name in ("compute_dtype", "param_dtype"):
-        if merged[name] not in DTYPES:
+        if not isinstance(merged[name], str) or merged[name] not in DTYPES:
             raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
     weight = merged["balance_weight"]
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
         raise ValueError(f"balance_weight must be a finite number >= 0, got balance_weight={weight!r}")
-    mesh = _as_dict(merged["mesh"])
+    mesh = sections["mesh"]
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     for axis, size in mesh.items():
         if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
             raise ValueError(f"mesh.{axis} must be an integer >= 1 or -1 (the rest of the devices), got "
                              f"mesh.{axis}={size!r}")
-    retrofit = retrofit_configs(_as_dict(merged["retrofit"]))
+    retrofit = retrofit_configs(sections["retrofit"])
     window = next((c.window for c in retrofit if isinstance(c, WindowConfig)), None)
-    family, model = model_config(_as_dict(merged["model"]))
+    family, model = model_config(sections["model"])
     if window is not None and model is not None and model.attention.kind in FOCUS_KINDS:
         raise ValueError(f"retrofit.window={window!r} cannot go on model attention kind={model.attention.kind!r}: "
                          f"Focus has its own local window (focus_window={model.attention.focus_window})")
     init_from = merged["init_from"]
+    if init_from is not None and not isinstance(init_from, (str, os.PathLike)):
+        raise ValueError(f"init_from must be None or a directory (a path), got init_from={init_from!r}")
     if family == "hf" and not init_from:
         raise ValueError("model.family='hf' builds the model from a Hugging Face directory: set init_from")
     if init_from and not os.path.isdir(os.path.expanduser(init_from)):
         raise ValueError(f"init_from={init_from!r} is not a directory (a focal_jax workdir or a Hugging Face "
                          f"model directory)")
     return RunConfig(
-        seed=merged["seed"], total_steps=merged["total_steps"], batch_size=merged["batch_size"],
+        seed=int(seed), total_steps=merged["total_steps"], batch_size=merged["batch_size"],
         log_every=merged["log_every"], eval_every=merged["eval_every"], eval_batches=merged["eval_batches"],
         ckpt_every=merged["ckpt_every"], keep_checkpoints=merged["keep_checkpoints"], mesh=mesh,
         compute_dtype=merged["compute_dtype"], param_dtype=merged["param_dtype"],
         init_from=os.path.abspath(os.path.expanduser(init_from)) if init_from else None,
         balance_weight=float(weight), family=family, model=model,
-        retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", _as_dict(merged["data"])),
-        optim=_dataclass(OptimConfig, "optim.", _as_dict(merged["optim"])), raw=config,
-        hf_remat=family == "hf" and _as_dict(merged["model"]).get("remat", False))
+        retrofit=tuple(retrofit), data=_dataclass(DataConfig, "data.", sections["data"]),
+        optim=_dataclass(OptimConfig, "optim.", sections["optim"]), raw=config,
+        hf_remat=family == "hf" and sections["model"].get("remat", False))
 
 
 # Keys (dotted) that may change when a run resumes from its own workdir (everything else must match the stored

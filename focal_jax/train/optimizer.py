@@ -78,7 +78,9 @@ class OptimConfig:
 
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `final_lr_fraction * lr` at
-    `decay_steps` (default `total_steps`), constant after.
+    `decay_steps` (default `total_steps`), constant after. A warmup longer than `decay_steps` is cut to it (the peak
+    at `decay_steps`, the final rate one step later); `python -m focal_jax.train` warns of it
+    (`focal_jax.train.config.warmup_note`).
 
     Example:
       >>> s = learning_rate_schedule(OptimConfig(lr=1.0, warmup_steps=10, final_lr_fraction=0.1), 110)

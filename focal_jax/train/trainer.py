@@ -30,7 +30,7 @@ from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
                                     check_data_fields, check_data_files, check_routing_trains, check_windows,
-                                    config_differences, with_defaults)
+                                    config_differences, warmup_note, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -93,23 +93,28 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
         checkpoint.require_step(base, meta.get("init_from_step"), BASE_STEP_GONE)
         load_pretrained(model, base, step=meta.get("init_from_step"))
     saved = checkpoint.saved_param_paths(workdir, step)
-    state = nnx.state(model, nnx.Param)
-    shapes = {path_str(p): np.shape(x) for p, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+    shapes = param_shapes(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     extra = sorted(set(saved) - set(shapes))
     if extra:
-        raise ConfigError(f"init_from={workdir!r} holds parameters the model does not have: {extra[:5]}"
-                          f"{' ...' if len(extra) > 5 else ''}")
+        raise ConfigError(f"init_from={workdir!r} holds parameters the model does not have: {_listed(extra)}")
     wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if saved[p] != shapes[p]]
     if wrong:
         raise ConfigError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
     missing = set(shapes) - set(saved)
-    # with_base=False: the model holds the run's base, or (a run from scratch stored before 0.6.9, which saved its
-    # trainable parameters only) the frozen parameters drawn from the run's seed
+    trained = set(meta.get("trainable", ()))  # the run's own trainable parameters: in each of its checkpoints
     if meta.get("params_scope") != "trainable" and with_base:
         undeclared = sorted(missing - new_param_paths(model))
         if undeclared:
             raise ConfigError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
-                              f"{undeclared[:5]}{' ...' if len(undeclared) > 5 else ''}")
+                              f"{_listed(undeclared)}")
+    # with_base=False: the model holds the run's base, or (a run from scratch stored before 0.6.9, which saved its
+    # trainable parameters only) the frozen parameters drawn from the run's seed; a checkpoint that holds frozen
+    # parameters (a run from scratch since 0.6.9) holds them all
+    elif meta.get("params_scope") != "trainable" and set(saved) - trained:
+        trained = set(shapes)
+    if lost := sorted(missing & trained):
+        raise ConfigError(f"the checkpoint of step {step} in {workdir!r} is missing parameters its run saved: "
+                          f"{_listed(lost)} (a damaged or partly copied checkpoint)")
     _, loaded_state, _ = nnx.split(model, lambda path, _: path_str(path) in saved, ...)
     loaded = nnx.to_pure_dict(loaded_state)
     shardings = jax.tree.map(lambda x: x.sharding, loaded)
@@ -119,6 +124,30 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     log(f"loaded {len(saved)} parameters of {workdir} (step {step})"
         + (f"; new: {new[:4]}{' ...' if len(new) > 4 else ''}" if new else ""))
     return model
+
+
+def param_shapes(params: dict) -> dict[str, tuple]:
+    """`{path: shape}` of the nested pure dict `params` (as `checkpoint.saved_param_paths` gives a checkpoint's)."""
+    return {path_str(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def _listed(paths: list[str]) -> str:
+    return f"{paths[:5]}{' ...' if len(paths) > 5 else ''}"
+
+
+def check_resumable(workdir: str, step: int, params: dict):
+    """ConfigError unless checkpoint `step` of `workdir` holds exactly the parameters `params` (the nested pure dict
+    a resume restores) in their shapes, naming those missing, extra or of another shape (orbax's own errors name
+    none of them)."""
+    saved, shapes = checkpoint.saved_param_paths(workdir, step), param_shapes(params)
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if p in shapes and saved[p] != shapes[p]]
+    problems = [f"{what}: {_listed(paths)}" for what, paths in
+                (("missing", missing), ("not in the model", extra), ("of the wrong shape", wrong)) if paths]
+    if problems:
+        raise ConfigError(f"cannot resume from the checkpoint of step {step} in {workdir!r}: parameters "
+                          f"{'; '.join(problems)} (a damaged or partly copied checkpoint: delete that step's "
+                          f"directory to resume from the one before, or use a new workdir)")
 
 
 def pinned_base_step(run: RunConfig, meta: dict | None = None) -> int | None:
@@ -464,10 +493,21 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
 
     Resumes from the workdir's latest checkpoint when there is one. `stop_after` stops (with a checkpoint) once that
     step is done, as a preemption would (tests use it). Returns the train metrics records logged by this call.
+    Raises ValueError (`ConfigError` for the config's mistakes) naming what is wrong, and when another run trains
+    in `workdir` (`checkpoint.workdir_lock`).
     """
-    # ---------------------------------------------------------------- Config, devices, workdir
     run, config_data, resume_step, stored = check_run(config, workdir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    if note := warmup_note(run):
+        log(f"warning: {note}")
+    with checkpoint.workdir_lock(workdir):
+        return _train(run, config_data, resume_step, stored, workdir, stop_after)
+
+
+def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: dict | None, workdir: str,
+           stop_after: int | None) -> list[dict]:
+    """`train` once `check_run` has passed and the workdir is held."""
+    # ---------------------------------------------------------------- Devices
     mesh = make_mesh(run.mesh)
     manager = checkpoint.make_manager(workdir, keep=run.keep_checkpoints, create=False)
     log(f"devices: {jax.device_count()} ({jax.devices()[0].device_kind}) in {jax.process_count()} process(es), "
@@ -527,6 +567,7 @@ def train(config, workdir: str, *, stop_after: int | None = None) -> list[dict]:
         # (runs from scratch stored before 0.6.9 saved their trainable parameters only; the frozen ones are the seed's)
         with_frozen = not run.init_from and set(param_paths(frozen)) <= set(
             checkpoint.saved_param_paths(workdir, resume_step))
+        check_resumable(workdir, resume_step, merge_params(trainable, frozen) if with_frozen else trainable)
         params, opt_state, data_state, _ = checkpoint.restore(
             manager, resume_step, params=merge_params(trainable, frozen) if with_frozen else trainable,
             opt_state=opt_state, opt_sharding=opt_sharding,
