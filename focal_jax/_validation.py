@@ -1,6 +1,9 @@
 """Checks of user-given settings that nn/, data/, train/ and eval/ share (not public API)."""
 
+import dataclasses
 import numbers
+
+import numpy as np
 
 
 def is_integer(value) -> bool:
@@ -19,3 +22,13 @@ def check_distinct(name: str, values) -> None:
     """A ValueError naming `values` (a sequence of hashables) when one of them appears twice."""
     if len(set(values)) < len(values):
         raise ValueError(f"{name} must be distinct, got {name}={list(values)}")
+
+
+def plain_numbers(config) -> None:
+    """Replace each numpy scalar field (`np.int64(4)`, `np.float32(0.4)`: a sweep's values) of the frozen
+    dataclass `config` by the Python number it holds, before its checks: configs are checked as Python numbers,
+    hashed as static data and written to JSON."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, (np.integer, np.floating)):
+            object.__setattr__(config, field.name, value.item())

@@ -225,11 +225,24 @@ def test_small_temperatures_sample_the_argmax():
     (dict(max_new_tokens=2, top_p=0.0), "top_p"),
     (dict(max_new_tokens=2, top_p=1.5), "top_p"),
     (dict(max_new_tokens=2, temperature=1.0), "rng"),
+    (dict(max_new_tokens=2, temperature=float("inf"), rng=0), "temperature"),  # sampled uniformly before
+    (dict(max_new_tokens=2, temperature=1.0, rng="abc"), "rng"),  # jax's TypeError before
+    (dict(max_new_tokens=2, temperature=1.0, rng=jnp.zeros(3)), "rng"),
     (dict(max_new_tokens=40), "n_positions"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
         generate(_gpt2(), _tokens(length=3), **kwargs)
+
+
+def test_numbers_may_be_0d_arrays_and_keys_legacy():
+    """A temperature or top_p given as a 0-d numpy or jax array (a sweep's value; the jax one was refused as not a
+    number) and a legacy `PRNGKey` sample as the Python numbers and `jax.random.key` do."""
+    model, prompt = _gpt2(), _tokens(length=3)
+    want = generate(model, prompt, max_new_tokens=3, temperature=0.7, top_p=0.9, rng=jax.random.key(1))
+    got = generate(model, prompt, max_new_tokens=3, temperature=jnp.float32(0.7), top_p=np.float32(0.9),
+                   rng=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_bad_inputs_are_named():

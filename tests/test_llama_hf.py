@@ -171,6 +171,9 @@ def test_to_hf_takes_token_ids_and_files_from_the_source(llama_dir, tmp_path, to
         assert "eos_token_id" not in json.load(f)
     with pytest.raises(ValueError, match="source=.*no config.json"):
         to_hf(model, str(tmp_path / "x"), source=str(tmp_path))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="directory=.*a_file' is a file; expected a directory"):  # FileExistsError
+        to_hf(model, str(tmp_path / "a_file"))
 
 
 def test_to_hf_refuses_a_softcap(llama_dir, tmp_path):

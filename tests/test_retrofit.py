@@ -18,9 +18,9 @@ from flax import nnx
 from focal_jax.convert.hf import from_hf
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
-from focal_jax.nn.attention import CUSTOM_KINDS
+from focal_jax.nn.attention import CUSTOM_KINDS, AttentionConfig
 from focal_jax.nn.lora import LoRAConfig
-from focal_jax.nn.retrofit import (FocalConfig, FocusConfig, count_params, replace_attention, retrofit,
+from focal_jax.nn.retrofit import (FocalConfig, FocusConfig, WindowConfig, count_params, replace_attention, retrofit,
                                    trainable_filter)
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -276,6 +276,24 @@ def test_mistral_7b_like_counts():
 
 
 # ---------------------------------------------------------------------------------------------- bad settings
+
+
+def test_configs_take_numpy_numbers_as_python_ones():
+    """A sweep's `np.int64` / `np.float32` values were refused ('groups must be an integer'); they are taken, and
+    stored as the Python numbers they hold (configs are hashed as static data and written to JSON)."""
+    focus = FocusConfig(groups=np.int64(4), dim=np.int32(16), window=np.int64(8), topk=np.int64(2),
+                        tau=np.float32(0.25))
+    assert focus == FocusConfig(groups=4, dim=16, window=8, topk=2, tau=0.25)
+    assert type(focus.groups) is int and type(focus.tau) is float
+    assert FocalConfig(t=np.float32(0.5)) == FocalConfig(t=0.5) and WindowConfig(np.int64(4)) == WindowConfig(4)
+    attention = AttentionConfig(d_model=np.int64(32), n_heads=np.int64(4), n_kv_heads=np.int64(2), head_dim=8,
+                                kind="focus", focus_groups=np.int64(4), focus_dim=np.int64(8), focus_window=np.int64(2))
+    assert attention == AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
+                                        focus_dim=8, focus_window=2)
+    llama = LlamaConfig(vocab_size=np.int64(61), d_model=32, n_layers=np.int64(1), n_heads=4, intermediate=48)
+    gpt2 = GPT2Config(vocab_size=np.int64(61), n_positions=16, d_model=32, n_layers=1, n_heads=4)
+    assert type(llama.n_layers) is type(gpt2.vocab_size) is int
+    assert type(LoRAConfig(rank=np.int64(2), alpha=np.float32(4.0)).rank) is int
 
 
 @pytest.mark.parametrize("kwargs, field", [

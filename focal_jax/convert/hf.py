@@ -277,6 +277,9 @@ def to_hf(model, directory, *, source=None):
     softcap, and for a model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels
     first).
     """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"directory={directory!r} is a file; expected a directory to write the model into (it is "
+                         f"created if missing)")
     source_config = {}
     if source is not None:
         if not os.path.isfile(os.path.join(source, "config.json")):

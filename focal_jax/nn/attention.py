@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax import attention as fa
+from focal_jax._validation import plain_numbers
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
@@ -170,6 +171,7 @@ class AttentionConfig:
     softcap: float | None = None
 
     def __post_init__(self):
+        plain_numbers(self)
         for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "focus_groups", "focus_dim", "focus_iters"):
             _int(name, getattr(self, name), 1)
         _int("focus_window", self.focus_window, 0)

@@ -29,6 +29,7 @@ Example:
 """
 
 import functools
+import math
 import numbers
 
 import jax
@@ -59,9 +60,17 @@ def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
             "layers": tuple(attn.init_cache(batch_size, max_len, dtype) for attn in layers)}
 
 
+def _as_number(value):
+    """A 0-d real numpy or jax array (a concrete one) as the Python number it holds; anything else as it is."""
+    if hasattr(value, "ndim") and hasattr(value, "dtype") and value.ndim == 0 and (
+            jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+        return value.item()
+    return value
+
+
 def _check_sampling(temperature, top_p):
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got temperature={temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got temperature={temperature!r}")
     if 0 < temperature < jnp.finfo(jnp.float32).tiny:  # a float32 subnormal, which XLA flushes to 0: logits / 0
         raise ValueError(f"temperature must be 0 (greedy) or at least float32's smallest normal number "
                          f"{float(jnp.finfo(jnp.float32).tiny):.4g}, got temperature={temperature!r}")
@@ -82,6 +91,7 @@ def sample_logits(logits, rng=None, *, temperature=0.0, top_p=1.0):
       >>> int(sample_logits(logits, jax.random.key(0), temperature=1.0, top_p=0.6)) in (0, 1)
       True
     """
+    temperature, top_p = _as_number(temperature), _as_number(top_p)
     _check_sampling(temperature, top_p)
     if temperature > 0 and rng is None:
         raise ValueError(f"rng (a jax.random key) is required when sampling (temperature={temperature} > 0)")
@@ -180,6 +190,7 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got values from {int(prompt.min())} to "
                          f"{int(prompt.max())}")
     check_int("max_new_tokens", max_new_tokens, 1)
+    temperature, top_p = _as_number(temperature), _as_number(top_p)
     _check_sampling(temperature, top_p)
     if temperature > 0 and rng is None:
         raise ValueError(f"rng (a jax.random key or an integer seed) is required when sampling "
@@ -193,6 +204,10 @@ def generate(model, prompt, *, max_new_tokens, temperature=0.0, top_p=1.0, rng=N
         rng = jax.random.key(0)
     elif isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
         rng = jax.random.key(int(rng))
+    elif not (isinstance(rng, jax.Array) and (jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 0
+                                              or rng.dtype == jnp.uint32 and rng.shape == (2,))):
+        raise ValueError(f"rng must be a jax.random key (jax.random.key(seed), or a legacy PRNGKey) or an integer "
+                         f"seed, got rng={rng!r}")
     b, t0 = prompt.shape
     width = _bucket(total)
     if isinstance(model, GPT2):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax._axes import explicit_as_auto
+from focal_jax._validation import plain_numbers
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
 from focal_jax.nn.layers import apply_block, embed, model_output_spec, rows_at
@@ -91,6 +92,7 @@ class GPT2Config:
     softcap: float | None = None
 
     def __post_init__(self):
+        plain_numbers(self)
         for name in ("vocab_size", "n_positions", "d_model", "n_layers", "n_heads"):
             _check_int(name, getattr(self, name))
         if self.d_model % self.n_heads:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax._axes import explicit_as_auto
+from focal_jax._validation import plain_numbers
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.attention.segments import segment_prefix
 from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
@@ -52,6 +53,7 @@ class LlamaConfig:
     remat: bool = False
 
     def __post_init__(self):
+        plain_numbers(self)
         # Stored as sorted (key, value) pairs so that the config stays hashable (NNX keeps it as static data).
         if not isinstance(self.attn, (Mapping, tuple)):
             raise ValueError(f"attn must be a dict of AttentionConfig fields, got attn={self.attn!r}")

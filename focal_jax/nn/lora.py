@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._validation import plain_numbers
 from focal_jax.nn.layers import as_rngs
 from focal_jax.nn.models import attention_modules
 from focal_jax.nn.variables import LoRA
@@ -66,6 +67,7 @@ class LoRAConfig:
     targets: tuple[str, ...] | str = ("q", "k", "v", "o")
 
     def __post_init__(self):
+        plain_numbers(self)
         if isinstance(self.rank, bool) or not isinstance(self.rank, numbers.Integral) or self.rank < 1:
             raise ValueError(f"LoRAConfig: rank must be an integer >= 1, got rank={self.rank!r}")
         if (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not self.alpha > 0

@@ -36,6 +36,7 @@ import re
 import jax
 from flax import nnx
 
+from focal_jax._validation import plain_numbers
 from focal_jax.nn.attention import CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.layers import as_rngs, float_dtype
@@ -83,6 +84,7 @@ class FocusConfig:
     assign: str = "sinkhorn"
 
     def __post_init__(self):
+        plain_numbers(self)
         renames = {f"focus_{f.name}": f.name for f in dataclasses.fields(self)}
         _validate("FocusConfig", {"kind": "focus", **self.attention_fields()}, renames)
 
@@ -105,6 +107,7 @@ class FocalConfig:
     tau_mode: str = "prefix"
 
     def __post_init__(self):
+        plain_numbers(self)
         if not isinstance(self.learned, bool):
             raise ValueError(f"FocalConfig: learned must be a bool, got learned={self.learned!r}")
         if self.learned:
@@ -144,6 +147,7 @@ class WindowConfig:
     window: int
 
     def __post_init__(self):
+        plain_numbers(self)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"WindowConfig: window must be an integer >= 0, got window={self.window!r}")
 
