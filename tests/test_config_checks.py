@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from focal_jax.train import trainer
-from focal_jax.train.config import check_config, default_config
+from focal_jax.train.config import check_config, default_config, warmup_note
 from focal_jax.train.optimizer import learning_rate_schedule
 from helpers import load_experiment
 
@@ -30,7 +30,7 @@ def _set(config: ml_collections.ConfigDict, path: str, value) -> ml_collections.
     return config
 
 
-# ------------------------------------------------------------------------------------------------ F3: model windows
+# --------------------------------------------------------------------------------- a model's own window
 
 
 @pytest.mark.parametrize("family, field", [("llama", "model.attn.window"), ("gpt2", "model.window")])
@@ -56,7 +56,7 @@ def test_a_models_own_window_covering_every_key_is_refused_for_training(tmp_path
     assert not os.path.exists(tmp_path / "run")
 
 
-# ------------------------------------------------------------------------------------------------ F4: top-level fields
+# ------------------------------------------------------------------------------------- top-level fields
 
 
 @pytest.mark.parametrize("seed", [-3, 1.5, True, "3", 2**32, None])
@@ -88,7 +88,7 @@ def test_a_top_level_value_of_another_type_is_named(path, value, message):
         check_config(_set(default_config(), path, value))
 
 
-# ------------------------------------------------------------------------------------------------ F5: warmup > decay
+# -------------------------------------------------------------------- a warmup longer than the schedule
 
 
 def test_a_warmup_longer_than_the_run_is_noted_as_the_schedule_runs_it():
@@ -98,8 +98,6 @@ def test_a_warmup_longer_than_the_run_is_noted_as_the_schedule_runs_it():
     config = default_config()
     config.total_steps = 20
     config.optim.update(lr=1e-3, warmup_steps=500)
-    from focal_jax.train.config import warmup_note  # (new: the old code cut the warmup silently)
-
     run = check_config(config)
     note = warmup_note(run)
     assert note is not None and "\n" not in note
@@ -113,8 +111,6 @@ def test_a_warmup_longer_than_decay_steps_is_noted():
     config = default_config()
     config.total_steps = 10
     config.optim.update(lr=1e-3, warmup_steps=5, decay_steps=2, final_lr_fraction=0.1)
-    from focal_jax.train.config import warmup_note  # (new: the old code cut the warmup silently)
-
     run = check_config(config)
     note = warmup_note(run)
     assert note is not None and "optim.warmup_steps=5 is longer than optim.decay_steps=2" in note
@@ -130,8 +126,6 @@ def test_a_warmup_that_fits_has_no_note(total_steps, warmup_steps, decay_steps):
     config.total_steps = total_steps
     config.optim.warmup_steps = warmup_steps
     config.optim.decay_steps = decay_steps
-    from focal_jax.train.config import warmup_note
-
     assert warmup_note(check_config(config)) is None
 
 
@@ -148,7 +142,7 @@ def test_train_warns_of_a_warmup_longer_than_the_run_once(tmp_path, monkeypatch,
         warnings
 
 
-# ------------------------------------------------------------------------------------------------ F7: section prefixes
+# ------------------------------------------------------------------------------------- section prefixes
 
 
 @pytest.mark.parametrize("path, value, message", [

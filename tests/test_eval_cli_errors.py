@@ -42,8 +42,9 @@ def test_diagnostics_bad_topk_and_top_are_usage_errors(monkeypatch, capsys):
 
 def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
     _stub_run(monkeypatch, perplexity, {"kind": "dense"})
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "0"], "must be >= 1, got '0'")
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", "-1"], "must be >= 1, got '-1'")
+    for value in "0", "-1":
+        _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", value],
+                     f"must be a finite number >= 1, got '{value}'")
 
 
 def _no_loading(monkeypatch):
@@ -107,9 +108,10 @@ def test_rope_ntk_factor_below_one_is_a_usage_error(monkeypatch, capsys):
     """Dynamic NTK scaling needs a factor >= 1 (as Hugging Face's 'dynamic' rope type); 0.5 used to be accepted."""
     _no_loading(monkeypatch)
     for main, required in (perplexity.main, []), (recall.main, []), (helmet.main, ["--data", "DATA"]):
-        for value in "0.5", "nan":
+        for value in "0.5", "nan", "inf":
             _usage_error(capsys, main, ["--workdir", "RUN", *required, "--rope-ntk-factor", value],
-                         f"argument --rope-ntk-factor: the dynamic NTK scaling factor must be >= 1, got '{value}'")
+                         f"argument --rope-ntk-factor: the dynamic NTK scaling factor must be a finite number >= 1, "
+                         f"got '{value}'")
     for value in 0.5, float("nan"), float("inf"):  # the library's own check (the Python API, a training config)
         with pytest.raises(ValueError, match=f"rope_ntk_factor={value}: the dynamic NTK scaling factor must be"):
             recall.with_rope_ntk(_llama({"kind": "dense"}), value, trained_len=16)

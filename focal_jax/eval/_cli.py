@@ -2,18 +2,19 @@
 written, or a setting out of range, would otherwise fail only after the whole evaluation, its results lost."""
 
 import argparse
+import math
 import os
 
 
 def rope_ntk_factor(text: str) -> float:
-    """argparse type of `--rope-ntk-factor`: a float >= 1 (Hugging Face's 'dynamic' rope type requires the same);
+    """argparse type of `--rope-ntk-factor`: a finite float >= 1 (as `AttentionConfig.rope_ntk_factor`);
     anything else is a usage error naming the value."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
-    if not value >= 1:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"the dynamic NTK scaling factor must be >= 1, got {text!r}")
+    if not 1 <= value < math.inf:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"the dynamic NTK scaling factor must be a finite number >= 1, got {text!r}")
     return value
 
 

@@ -62,6 +62,8 @@ def init_cache(model, batch_size: int, max_len: int, dtype=None) -> dict:
 
 def _as_number(value):
     """A 0-d real numpy or jax array (a concrete one) as the Python number it holds; anything else as it is."""
+    if isinstance(value, jax.core.Tracer):
+        return value
     if hasattr(value, "ndim") and hasattr(value, "dtype") and value.ndim == 0 and (
             jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
         return value.item()
