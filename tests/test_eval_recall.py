@@ -314,12 +314,14 @@ def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, caps
     assert (workdir / "recall.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "recall: needle at 96 tokens" in out and "| frequent_words | 1.000 | 1.000 |" in out
+    assert "recall: note: lengths [96, 160] go past the 64 tokens the model was trained on" in out  # (no note before)
     loaded = []
     monkeypatch.setattr(trainer, "load_model", lambda path, step=None: loaded.append(step) or _llama({}, vocab=VOCAB))
     recall.main(["--workdir", str(workdir), "--tasks", "needle", "--lengths", "96", "--n", "2", "--step", "7",
                  "--rope-ntk-factor", "2"])
     record = json.loads((workdir / "recall.json").read_text())
     assert loaded == [7] and record["rope_ntk_factor"] == 2.0
+    assert "note: lengths" not in capsys.readouterr().out  # scaled: nothing to note
     with pytest.raises(SystemExit):
         recall.main(["--workdir", str(workdir), "--tasks", "needle,sorting"])
     assert "unknown recall task 'sorting'" in capsys.readouterr().err

@@ -1196,7 +1196,8 @@ def main(argv=None) -> dict:
             check_int("n", args.n, 1)
         check_data(specs, data_dir, args.lengths)
         model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
-                                                   rope_ntk_factor=args.rope_ntk_factor, name="helmet")
+                                                   rope_ntk_factor=args.rope_ntk_factor, name="helmet",
+                                                   lengths=args.lengths)
         result = evaluate(model, tokenizer, data_dir, datasets=[s.name for s in specs], lengths=args.lengths,
                           n=args.n, seed=args.seed, fit=args.fit, batch_size=args.batch_size,
                           log=lambda line: print(line, flush=True))

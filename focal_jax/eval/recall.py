@@ -306,11 +306,14 @@ def with_rope_ntk(model, factor: float, *, trained_len: int):
 
 
 def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str | None = None,
-                      topk: int | None = None, rope_ntk_factor: float | None = None, name: str = "recall"):
+                      topk: int | None = None, rope_ntk_factor: float | None = None, name: str = "recall",
+                      lengths=()):
     """`(model, tokenizer, step)` of a focal_jax run directory for the decoding evaluations (recall, HELMET): the
     model of checkpoint `step` (default the latest), the tokenizer file `tokenizer` (default the run's own copy),
     switched to hard top-`topk` routing (`with_topk`) and to dynamic NTK RoPE past the trained length
-    (`with_rope_ntk`) when asked. Raises FileNotFoundError / ValueError naming what is missing or wrong."""
+    (`with_rope_ntk`) when asked. A note is printed when `lengths` (the input lengths to evaluate) go past the
+    trained length of a model with RoPE and no `rope_ntk_factor`. Raises FileNotFoundError / ValueError naming
+    what is missing or wrong."""
     from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command lines only
     from focal_jax.train.checkpoint import read_meta
     from focal_jax.train.trainer import load_model
@@ -321,8 +324,14 @@ def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str |
     print(f"{name}: loaded {workdir} (step {step})", flush=True)
     if topk is not None:
         model = with_topk(model, topk)
+    trained_len = meta["config"]["data"]["seq_len"]
     if rope_ntk_factor is not None:
-        model = with_rope_ntk(model, rope_ntk_factor, trained_len=meta["config"]["data"]["seq_len"])
+        model = with_rope_ntk(model, rope_ntk_factor, trained_len=trained_len)
+    past = sorted(length for length in lengths if length > trained_len)
+    if past and rope_ntk_factor is None and all(a.config.rope_theta is not None for a in attention_layers(model)):
+        print(f"{name}: note: lengths {past} go past the {trained_len} tokens the model was trained on; its rotary "
+              f"positions there were never trained (--rope-ntk-factor scales them, as the Focal paper's 64K "
+              f"evaluation)", flush=True)
     return model, tokenizer, step
 
 
@@ -360,7 +369,8 @@ def main(argv=None) -> list[dict]:
         for task in tasks:
             _check_task(task)
         model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
-                                                   rope_ntk_factor=args.rope_ntk_factor, name="recall")
+                                                   rope_ntk_factor=args.rope_ntk_factor, name="recall",
+                                                   lengths=args.lengths)
         rows = recall_suite(model, tokenizer, tasks=tasks, lengths=args.lengths, n_examples=args.n, seed=args.seed,
                             batch_size=args.batch_size, log=lambda line: print(line, flush=True))
     except (FileNotFoundError, ValueError) as e:
