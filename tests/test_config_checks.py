@@ -73,6 +73,14 @@ def test_a_good_seed_is_taken(seed):
     assert run.seed == seed and type(run.seed) is int
 
 
+def test_counters_and_mesh_sizes_take_numpy_integers():
+    """`total_steps=np.int64(20)` (a sweep's value) was refused as not an integer; it is taken as a Python int."""
+    config = _set(_set(default_config(), "total_steps", np.int64(20)), "mesh", {"data": np.int32(1)})
+    run = check_config(_set(config, "batch_size", np.int64(8)))
+    assert (run.total_steps, run.batch_size, run.mesh["data"]) == (20, 8, 1)
+    assert type(run.total_steps) is type(run.batch_size) is type(run.mesh["data"]) is int
+
+
 @pytest.mark.parametrize("path, value, message", [
     ("init_from", 5, "init_from must be None or a directory (a path), got init_from=5"),
     ("mesh", 4, "mesh must be a section (a dict of its fields), got mesh=4"),

@@ -328,8 +328,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
                  "eval_batches"):
         # 0 steps: a zero-shot baseline; 0 eval batches: no evaluation
         value, least = merged[name], 0 if name in ("total_steps", "eval_batches") else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_integer(value) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {name}={value!r}")
+        merged[name] = int(value)
     for name in ("compute_dtype", "param_dtype"):
         if not isinstance(merged[name], str) or merged[name] not in DTYPES:
             raise ValueError(f"{name}={merged[name]!r} is not one of {tuple(DTYPES)}")
@@ -339,9 +340,10 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     mesh = sections["mesh"]
     _check_keys("mesh.", mesh, ("data", "fsdp", "tensor"))
     for axis, size in mesh.items():
-        if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
+        if not is_integer(size) or not (size >= 1 or size == -1):
             raise ValueError(f"mesh.{axis} must be an integer >= 1 or -1 (the rest of the devices), got "
                              f"mesh.{axis}={size!r}")
+        mesh[axis] = int(size)
     retrofit = retrofit_configs(sections["retrofit"])
     window = next((c.window for c in retrofit if isinstance(c, WindowConfig)), None)
     family, model = model_config(sections["model"])
