@@ -1761,6 +1761,17 @@ def test_a_damaged_checkpoint_is_refused_by_name_when_loaded_and_when_resumed(tm
         train(tiny(cache_dir, total_steps=2), misshapen)
     assert latest_step(missing) == latest_step(misshapen) == 1
 
+    partial = tiny(cache_dir, total_steps=1)  # from scratch, q_proj frozen: saved with the trained ones since 0.6.9
+    partial.optim.trainable_regex = "mlp"
+    frozen_missing = str(tmp_path / "frozen_missing")
+    train(partial, frozen_missing)
+    _rewrite_params(frozen_missing, lambda params: params["layers"]["0"]["self_attn"].pop("q_proj"))
+    partial.total_steps = 2
+    with pytest.raises(ConfigError, match=re.escape(f"parameters missing: ['{q_proj}']")):  # resumed with the seed's
+        train(partial, frozen_missing)
+    with pytest.raises(ConfigError, match=re.escape(f"is missing parameters its run saved: ['{q_proj}']")):
+        load_model(frozen_missing)
+
 
 def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path, cache_dir):
     """Two runs in one workdir (a job submitted twice, a requeue while the first still runs) used to write the same

@@ -564,9 +564,10 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     data_iter = train_iterator(data)
     start_step = 0
     if resume_step is not None:
-        # (runs from scratch stored before 0.6.9 saved their trainable parameters only; the frozen ones are the seed's)
-        with_frozen = not run.init_from and set(param_paths(frozen)) <= set(
-            checkpoint.saved_param_paths(workdir, resume_step))
+        # (runs from scratch stored before 0.6.9 saved their trainable parameters only, the frozen ones being the
+        # seed's; since, all of them, so a checkpoint with any frozen parameter must hold them all)
+        with_frozen = not run.init_from and bool(set(param_paths(frozen)) & set(
+            checkpoint.saved_param_paths(workdir, resume_step)))
         check_resumable(workdir, resume_step, merge_params(trainable, frozen) if with_frozen else trainable)
         params, opt_state, data_state, _ = checkpoint.restore(
             manager, resume_step, params=merge_params(trainable, frozen) if with_frozen else trainable,
