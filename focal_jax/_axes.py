@@ -119,14 +119,15 @@ def explicit_as_auto(out_spec):
             axes = explicit_axes()
             if not axes:
                 return fn(*args, **kwargs)
-            trees = [_as_tree(a) for a in args], {n: _as_tree(v) for n, v in kwargs.items()}
-            leaves, treedef = jax.tree.flatten(([t for t, _ in trees[0]], {n: t for n, (t, _) in trees[1].items()}))
+            positional = [_as_tree(a) for a in args]
+            named = {n: _as_tree(v) for n, v in kwargs.items()}
+            leaves, treedef = jax.tree.flatten(([t for t, _ in positional], {n: t for n, (t, _) in named.items()}))
 
             def with_arrays(arrays):
                 arrays = iter(arrays)
-                positional, named = jax.tree.unflatten(treedef, [next(arrays) if _is_array(x) else x for x in leaves])
-                return fn(*(rebuild(t) for t, (_, rebuild) in zip(positional, trees[0])),
-                          **{n: trees[1][n][1](t) for n, t in named.items()})
+                trees, named_trees = jax.tree.unflatten(treedef, [next(arrays) if _is_array(x) else x for x in leaves])
+                return fn(*(rebuild(t) for t, (_, rebuild) in zip(trees, positional)),
+                          **{n: named[n][1](t) for n, t in named_trees.items()})
 
             arrays = [x for x in leaves if _is_array(x)]
             return jax.sharding.auto_axes(with_arrays, axes=axes, out_sharding=out_spec(*args, **kwargs))(arrays)

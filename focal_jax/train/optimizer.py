@@ -79,7 +79,7 @@ class OptimConfig:
 def learning_rate_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `final_lr_fraction * lr` at
     `decay_steps` (default `total_steps`), constant after. A warmup longer than `decay_steps` is cut to it (the peak
-    at `decay_steps`, the final rate one step later); `python -m focal_jax.train` warns of it
+    at `decay_steps`, the final rate one step later); `focal_jax.train.train` warns of it
     (`focal_jax.train.config.warmup_note`).
 
     Example:

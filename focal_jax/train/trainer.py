@@ -94,13 +94,12 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
         load_pretrained(model, base, step=meta.get("init_from_step"))
     saved = checkpoint.saved_param_paths(workdir, step)
     shapes = param_shapes(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    extra = sorted(set(saved) - set(shapes))
+    missing, extra, wrong = param_differences(saved, shapes)
     if extra:
         raise ConfigError(f"init_from={workdir!r} holds parameters the model does not have: {_listed(extra)}")
-    wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if saved[p] != shapes[p]]
     if wrong:
         raise ConfigError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
-    missing = set(shapes) - set(saved)
+    missing = set(missing)
     trained = set(meta.get("trainable", ()))  # the run's own trainable parameters: in each of its checkpoints
     if meta.get("params_scope") != "trainable" and with_base:
         undeclared = sorted(missing - new_param_paths(model))
@@ -131,17 +130,24 @@ def param_shapes(params: dict) -> dict[str, tuple]:
     return {path_str(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
+def param_differences(saved: dict[str, tuple], shapes: dict[str, tuple]) -> tuple[list, list, list]:
+    """`(missing, extra, wrong)` between a checkpoint's `{path: shape}` and a model's: the model's paths the
+    checkpoint lacks, the checkpoint's paths the model lacks (both sorted), and `'path: checkpoint S vs model S'`
+    for the shared paths whose shapes differ."""
+    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if p in shapes and saved[p] != shapes[p]]
+    return missing, extra, wrong
+
+
 def _listed(paths: list[str]) -> str:
     return f"{paths[:5]}{' ...' if len(paths) > 5 else ''}"
 
 
-def check_resumable(workdir: str, step: int, params: dict):
-    """ConfigError unless checkpoint `step` of `workdir` holds exactly the parameters `params` (the nested pure dict
-    a resume restores) in their shapes, naming those missing, extra or of another shape (orbax's own errors name
-    none of them)."""
-    saved, shapes = checkpoint.saved_param_paths(workdir, step), param_shapes(params)
-    missing, extra = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
-    wrong = [f"{p}: checkpoint {saved[p]} vs model {shapes[p]}" for p in saved if p in shapes and saved[p] != shapes[p]]
+def check_resumable(workdir: str, step: int, saved: dict[str, tuple], params: dict):
+    """ConfigError unless checkpoint `step` of `workdir`, whose parameters are `saved` (`{path: shape}`), holds
+    exactly the parameters `params` (the nested pure dict a resume restores) in their shapes, naming those missing,
+    extra or of another shape (orbax's own errors name none of them)."""
+    missing, extra, wrong = param_differences(saved, param_shapes(params))
     problems = [f"{what}: {_listed(paths)}" for what, paths in
                 (("missing", missing), ("not in the model", extra), ("of the wrong shape", wrong)) if paths]
     if problems:
@@ -566,9 +572,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     if resume_step is not None:
         # (runs from scratch stored before 0.6.9 saved their trainable parameters only, the frozen ones being the
         # seed's; since, all of them, so a checkpoint with any frozen parameter must hold them all)
-        with_frozen = not run.init_from and bool(set(param_paths(frozen)) & set(
-            checkpoint.saved_param_paths(workdir, resume_step)))
-        check_resumable(workdir, resume_step, merge_params(trainable, frozen) if with_frozen else trainable)
+        saved = checkpoint.saved_param_paths(workdir, resume_step)
+        with_frozen = not run.init_from and bool(set(param_paths(frozen)) & set(saved))
+        check_resumable(workdir, resume_step, saved, merge_params(trainable, frozen) if with_frozen else trainable)
         params, opt_state, data_state, _ = checkpoint.restore(
             manager, resume_step, params=merge_params(trainable, frozen) if with_frozen else trainable,
             opt_state=opt_state, opt_sharding=opt_sharding,
