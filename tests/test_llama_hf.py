@@ -149,6 +149,24 @@ def test_to_hf_paper_model_and_errors(tmp_path, tokens):
         to_hf(Llama(focal_config("tiny", qkv_bias=True), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
 
 
+def test_to_hf_refuses_to_drop_the_parameters_of_a_focus_or_focal_model_viewed_as_dense(tmp_path, tokens):
+    from focal_jax.nn.retrofit import FocalConfig, FocusConfig, replace_attention, retrofit
+    dense = Llama(focal_config("tiny"), rngs=nnx.Rngs(0))
+    expected = dense(jnp.asarray(tokens))
+    for added, names in ((FocusConfig(groups=4, dim=8, window=4), r"layers.0.self_attn.centroids.*w_g"),
+                         (FocalConfig(learned=True), r"layers.0.self_attn.tau_bias.*w_tau")):
+        model = retrofit(Llama(focal_config("tiny"), rngs=nnx.Rngs(0)), added)
+        replace_attention(model, kind="dense", allow_unused=True)
+        with pytest.raises(ValueError, match=rf"4 parameters .*{names}.*allow_unused=True"):
+            to_hf(model, str(tmp_path / "refused"))
+        assert not (tmp_path / "refused").exists()
+        to_hf(model, str(tmp_path / "dense"), allow_unused=True)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense")).eval()
+        assert_close(hf_logits(reloaded, tokens), expected, atol=1e-4, what=f"{type(added).__name__} as dense")
+    with pytest.raises(ValueError, match=r"allow_unused must be a bool, got allow_unused='yes'"):
+        to_hf(dense, str(tmp_path / "x"), allow_unused="yes")
+
+
 def test_to_hf_takes_token_ids_and_files_from_the_source(llama_dir, tmp_path, tokens):
     source = tmp_path / "source"
     shutil.copytree(llama_dir[0], source)

@@ -262,7 +262,19 @@ SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
                 "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def to_hf(model, directory, *, source=None):
+def _check_nothing_dropped(model, exported):
+    """Raise ValueError naming every parameter of `model` outside `exported` (`llama_tensors` rows)."""
+    written = {id(variable) for variable, _, _ in exported}
+    dropped = [".".join(map(str, path)) for path, variable in nnx.iter_graph(model)
+               if isinstance(variable, nnx.Param) and id(variable) not in written]
+    if dropped:
+        shown = dropped if len(dropped) <= 6 else dropped[:6] + [f"... {len(dropped) - 6} more"]
+        raise ValueError(f"the model holds {len(dropped)} parameters a dense Hugging Face model has no place for, "
+                         f"which to_hf would drop: {shown} (a Focus or Focal model viewed as dense?); pass "
+                         f"allow_unused=True to write the dense model without them")
+
+
+def to_hf(model, directory, *, source=None, allow_unused=False):
     """Write a LLaMA-family `Llama` with dense attention as a Hugging Face directory (config.json +
     model.safetensors, parameters in their own dtype) that `transformers.AutoModelForCausalLM.from_pretrained`
     loads. The architecture is llama, mistral (when a sliding window is set), qwen2, qwen3 or olmo2, whichever has
@@ -272,10 +284,13 @@ def to_hf(model, directory, *, source=None):
       `max_position_embeddings` (`SOURCE_FIELDS`) go into config.json, and its generation config and tokenizer
       files (`SOURCE_FILES`) are copied, so that `generate` stops at the right end-of-sequence token. Without it
       those fields take transformers' defaults.
+    allow_unused: also write a model holding parameters its dense forward does not use (a Focus or learned-Focal
+      model viewed as dense by `replace_attention(model, kind='dense', allow_unused=True)`); those parameters
+      (`Centroid`s, routing projections, temperature weights) are left out of the directory.
 
     Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers), for a logit
-    softcap, and for a model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels
-    first).
+    softcap, for a model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels
+    first), and, unless `allow_unused`, for a model holding parameters the export would drop (naming them).
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"directory={directory!r} is a file; expected a directory to write the model into (it is "
@@ -287,6 +302,8 @@ def to_hf(model, directory, *, source=None):
                              f"model was loaded from)")
         with open(os.path.join(source, "config.json")) as f:
             source_config = {k: v for k, v in json.load(f).items() if k in SOURCE_FIELDS}
+    if not isinstance(allow_unused, bool):
+        raise ValueError(f"allow_unused must be a bool, got allow_unused={allow_unused!r}")
     if not isinstance(model, Llama):
         raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama models, got {type(model).__name__}")
     if jax.tree.leaves(nnx.state(model, LoRA)):
@@ -300,8 +317,11 @@ def to_hf(model, directory, *, source=None):
         raise ValueError(f"to_hf cannot export softcap={config.attention.softcap!r}: the LLaMA family of transformers "
                          f"has no logit softcap")
     model_type = _hf_model_type(config)
+    exported = list(llama_tensors(model))
+    if not allow_unused:
+        _check_nothing_dropped(model, exported)
     tensors = {name: np.asarray(variable[...]).T if transpose else np.asarray(variable[...])
-               for variable, name, transpose in llama_tensors(model)}
+               for variable, name, transpose in exported}
     dtype = str(np.asarray(model.embed_tokens.embedding[...]).dtype)
     hf = {
         "model_type": model_type, "architectures": [_HF_ARCHITECTURES[model_type]],
