@@ -647,6 +647,7 @@ def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its
 @pytest.mark.parametrize("argv, message", [
     (["--source", "bultin"], "unknown source='bultin'"),
     (["--vocab_size", "0"], "vocab_size must be an integer >= 262"),
+    (["--vocab_size", "262"], "--vocab_size=262 is too small for this corpus ("),
     (["--source", "text", "--paths", "no_such_dir/*.txt"], "no file matches the pattern 'no_such_dir/*.txt'"),
     (["--source", "text", "--paths", __file__, "--eval_paths", "no_such_dir/*.txt"], "no file matches")])
 def test_tokenizer_command_names_a_bad_setting_as_a_usage_error(argv, message, capsys):

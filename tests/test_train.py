@@ -791,17 +791,22 @@ def test_cli_names_a_run_the_config_cannot_resume_in_one_line(tmp_path, cache_di
     assert latest_step(workdir) == 1
 
 
-def test_cli_names_a_setting_found_wrong_once_the_model_is_built_in_one_line(tmp_path, cache_dir):
-    """A vocabulary smaller than the tokenizer's is found once the data and model are built: a `ConfigError`,
-    printed as one line (status 2) like the config's own mistakes, where the trainer's traceback was."""
+@pytest.mark.parametrize("override, message", [
+    ("--config.model.vocab_size=256", "model vocab_size=256 is smaller than the tokenizer's 512: set model.vocab_size "
+                                      "or data.vocab_size"),
+    ("--config.data.vocab_size=262", "data.vocab_size=262 is too small for this corpus (")])
+def test_cli_names_a_setting_found_wrong_once_the_data_or_model_is_built_in_one_line(tmp_path, cache_dir, override,
+                                                                                     message):
+    """A vocabulary smaller than the tokenizer's, or one the corpus cannot give a tokenizer of, is found once the
+    data and model are built: a `ConfigError`, printed as one line (status 2) like the config's own mistakes, where
+    the trainer's traceback was."""
     workdir = str(tmp_path / "run")
     done = subprocess.run([sys.executable, "-m", "focal_jax.train", "--config", "experiments/quickstart.py:runlocal",
                            "--workdir", workdir, f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
-                           "--config.model.vocab_size=256"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           override], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.splitlines()[-1] == ("python -m focal_jax.train: error: model vocab_size=256 is smaller than "
-                                            "the tokenizer's 512: set model.vocab_size or data.vocab_size")
+    assert done.stderr.splitlines()[-1].startswith(f"python -m focal_jax.train: error: {message}"), done.stderr
     assert latest_step(workdir) is None
 
 

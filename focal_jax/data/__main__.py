@@ -8,7 +8,7 @@ from focal_jax.data.config import DataConfig
 from focal_jax.data.pipeline import split_documents
 from focal_jax.data.sources import expand_paths, read_documents
 from focal_jax.data.streaming import tokenizer_sample
-from focal_jax.data.tokenizer import cached_tokenizer, write_atomically
+from focal_jax.data.tokenizer import VocabSizeError, cached_tokenizer, write_atomically
 
 
 def main(argv=None) -> str:
@@ -52,7 +52,10 @@ def main(argv=None) -> str:
             train_docs = read_documents(config)
         else:
             train_docs, _ = split_documents(read_documents(config), config.eval_fraction)
-        tokenizer = cached_tokenizer(train_docs, config.vocab_size, config.cache_dir)
+        try:
+            tokenizer = cached_tokenizer(train_docs, config.vocab_size, config.cache_dir)
+        except VocabSizeError as e:
+            parser.error(f"--{e}")
     path = tokenizer.path
     if args.out:
         with open(tokenizer.path, "rb") as f:

@@ -248,6 +248,11 @@ def _training_lines(documents: list[str]) -> list[str]:
     return lines[::stride] if stride > 1 else lines
 
 
+class VocabSizeError(ValueError):
+    """A `vocab_size` the corpus cannot give a tokenizer of (`train_tokenizer`): a setting to change, which the
+    command lines report in one line."""
+
+
 def train_tokenizer(documents: list[str], vocab_size: int, path: str) -> Tokenizer:
     """Trains a BPE SentencePiece model of `vocab_size` pieces on `documents` (list of str) and writes it to `path`.
 
@@ -270,7 +275,7 @@ def train_tokenizer(documents: list[str], vocab_size: int, path: str) -> Tokeniz
         problem = ("too large" if "too high" in str(e) else "too small" if "required_chars" in str(e) else None)
         if problem is None:
             raise
-        raise ValueError(f"vocab_size={vocab_size} is {problem} for this corpus ({len(documents)} documents, "
+        raise VocabSizeError(f"vocab_size={vocab_size} is {problem} for this corpus ({len(documents)} documents, "
                          f"{n_chars} characters). SentencePiece said: {e}") from None
     write_atomically(path, model.getvalue())
     return Tokenizer(str(path))

@@ -16,7 +16,7 @@ dominance. A row per form:
 - dominance: share of real tokens in the largest group (argmax of g), averaged over layers; 1/K is perfect balance.
 
   python -m focal_jax.eval.perplexity --workdir DIR [--batches N] [--topk all|1,2] [--seq-len N]
-      [--rope-ntk-factor F] [--impl xla|decomposed|pallas] [--out FILE.json]
+      [--rope-ntk-factor F] [--impl xla|decomposed|pallas|cudnn] [--out FILE.json]
 """
 
 import argparse
@@ -315,7 +315,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     """`python -m focal_jax.eval.perplexity --workdir DIR [--step S] [--batches N] [--topk all|1,2] [--seq-len N]
-    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas] [--out FILE.json]`: the
+    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas|cudnn] [--out FILE.json]`: the
     perplexity table of a trained run on its held-out data (soft and hard top-k rows for a Focus model); prints it
     and returns the rows."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.perplexity", description=main.__doc__)

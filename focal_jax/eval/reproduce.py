@@ -14,7 +14,8 @@ direction holds, the command); studies not run yet are listed with their command
 
 Scale: from-scratch runs train `--steps` steps (default 400, ~2 M tokens), retrofits and adapters half of that, one
 dense base shared by every retrofit. The noise level is the held-out-loss spread between two seeds of the dense base;
-a direction "holds" only when the difference exceeds it (`judge`).
+"A beats B" holds only when the difference exceeds it (`judge`), "A matches B" when it does not; the other claims'
+rules (pair counts, recall, group shares) are written next to them.
 """
 
 import argparse
@@ -671,7 +672,11 @@ def render(out: str, markdown: str) -> str:
         "**Read with care.** The models are tiny (the quickstart LLaMA: d_model 128, 4 layers, 4 heads of 32, vocab "
         "2000, 128-token rows from the builtin corpus, a few hundred steps; the papers use 124M to 70B parameters and "
         "billions of tokens), and each setting is one seed. The noise level is the held-out-loss spread between two "
-        "seeds of the dense model; a direction is 'yes' or 'no' only when the difference exceeds it, else 'unclear'. "
+        "seeds of the dense model: a claim that one setting beats another is 'yes' or 'no' only when the difference "
+        "exceeds it, else 'unclear', and a claim that settings match ('matches or beats', 'unchanged') holds within "
+        "it. Pair counts are checked exactly, recall against half of one example's share of the accuracy, and group "
+        "collapse against fixed shares of the largest group (collapsed above 0.9, not below 0.5, balanced below "
+        "0.3); each rule is next to its claim in `reproduce.py`. "
         "'n/a': the paper states no direction. A 'no' here says the effect does not show at this scale, not that "
         "the paper is wrong.",
         "",

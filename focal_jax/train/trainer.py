@@ -21,7 +21,7 @@ from flax import nnx
 
 from focal_jax.convert.hf import from_hf, read_hf_config
 from focal_jax.data import build_data, train_iterator
-from focal_jax.data.tokenizer import copy_tokenizer, tokenizer_file
+from focal_jax.data.tokenizer import VocabSizeError, copy_tokenizer, tokenizer_file
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
@@ -521,8 +521,11 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
 
     # ---------------------------------------------------------------- Data
     # A resumed run keeps the tokenizer its workdir holds (check_resumed_data), rather than one built anew.
-    data = build_data(run.data, global_batch=run.batch_size, seed=run.seed,
-                      workdir=workdir if resume_step is None else None)
+    try:
+        data = build_data(run.data, global_batch=run.batch_size, seed=run.seed,
+                          workdir=workdir if resume_step is None else None)
+    except VocabSizeError as e:
+        raise ConfigError(f"data.{e}") from None
     if resume_step is not None:
         check_resumed_data(workdir, data, stored)
     log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
