@@ -625,7 +625,7 @@ def test_sentencepiece_model_without_bos_starts_documents_with_eos(tmp_path):
     assert encode_documents(tok, [doc])[0].tolist() == [1] + reference.encode(doc) + [1]
 
 
-def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its_path(tmp_path):
+def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its_path(tmp_path, capsys):
     cache = str(tmp_path / "cache")
     config = DataConfig(source="synthetic", task="needle", task_kwargs={"n_sentences": 6, "n_keys": 2},
                         n_synthetic=150, vocab_size=400, cache_dir=cache, seq_len=SEQ, eval_fraction=0.1)
@@ -639,9 +639,10 @@ def test_tokenizer_command_builds_a_synthetic_runs_tokenizer_and_prints_only_its
     assert printed == [data.tokenizer.path] and os.listdir(cache) == [os.path.basename(printed[0])]
     from focal_jax.data.__main__ import main
 
-    for bad in ("n_keys", "n_keys=two"):
+    for bad in ("n_keys", "n_keys=two"):  # n_keys is an option of the needle task: only the form is wrong
         with pytest.raises(SystemExit):
-            main(["--source", "synthetic", "--task_kwargs", bad])
+            main(["--source", "synthetic", "--task", "needle", "--task_kwargs", bad])
+        assert f"--task_kwargs takes KEY=INTEGER items, got {bad!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

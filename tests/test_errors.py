@@ -334,3 +334,37 @@ def test_check_distinct_names_the_repeated_values():
     check_distinct("tasks", ("needle",))
     check_raises(lambda: check_distinct("lengths", (64, 128, 64)), "lengths",
                  "lengths must be distinct, got lengths=[64, 128, 64]")
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+def test_an_array_scale_is_checked_like_a_temperature(fn):
+    """A [B, T] scale (1 / tau of learned_temperature) broadcast against [T, H] when B = 1 and T = H: a per-head
+    scale where a per-token one was meant. It is refused as the temperature is; [B, T, 1] is per token."""
+    b, t = 1, 4
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, t, D)) for i in range(3))
+    per_token = jnp.linspace(0.1, 1.0, t)[None]
+    member = jnp.ones((b, t, K), bool)
+    call = {
+        "dot_product_attention": lambda q, k, v, **kw: (
+            focal_attention(q, k, v, **kw) if "temperature" in kw else dot_product_attention(q, k, v, **kw)),
+        "focal_attention": lambda q, k, v, **kw: focal_attention(q, k, v, **kw),
+        "focus_attention": lambda q, k, v, **kw: focus_attention(q, k, v, member / K, window=1, **kw),
+        "focus_sparse_attention_reference": lambda q, k, v, **kw: focus_sparse_attention(
+            q, k, v, member, window=1, **kw),
+        "focus_sparse_attention_decomposed": lambda q, k, v, **kw: focus_sparse_attention(
+            q, k, v, member, window=1, impl="decomposed", block_size=4, **kw)}[fn]
+    check_raises(lambda: call(q, k, v, scale=per_token), "scale", "ambiguous")
+    check_raises(lambda: call(q, k, v, scale=jnp.ones((b, t + 1, 1))), "scale", str((b, t, t)))
+    got = call(q, k, v, scale=per_token[:, :, None])
+    want = call(q, k, v, scale=1.0, temperature=1.0 / per_token[:, :, None])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not np.allclose(got, call(q, k, v, scale=1.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", ["no", "False", None, 1])
+def test_causal_must_be_a_bool(bad):
+    """`causal='no'` was read by its truth value (causal); None meant non-causal."""
+    check_raises(lambda: focal_attention(Q, KK, V, causal=bad), "causal", repr(bad))
+    check_raises(lambda: dot_product_attention(Q, KK, V, causal=bad), "causal", repr(bad))
+    check_raises(lambda: sinkhorn(G, causal=bad), "causal", repr(bad))
+    assert focal_attention(Q, KK, V, causal=np.bool_(False)).shape == Q.shape

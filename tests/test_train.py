@@ -358,6 +358,24 @@ def test_windows_that_cover_every_key_are_refused(tmp_path):
         trainer.check_run(config, str(tmp_path / "run"))
 
 
+def test_a_stored_run_whose_window_covers_every_key_resumes(tmp_path, cache_dir, monkeypatch):
+    """0.6.19 trained a window covering every key; 0.6.20 refused to resume such a run, and the advice (a shorter
+    window) was then refused as another config. A stored run resumes; a new one is still refused."""
+    config = tiny(cache_dir, total_steps=1)
+    config.data.seq_len = 64
+    config.model.attn.window = 63
+    workdir = str(tmp_path / "run")
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "check_windows", lambda run: None)  # as the versions before 0.6.20
+        train(config, workdir)
+    assert latest_step(workdir) == 1
+    config.total_steps = 2
+    train(config, workdir)
+    assert latest_step(workdir) == 2
+    with pytest.raises(ValueError, match=re.escape("model.attn.window=63 covers every key of data.seq_len=64")):
+        trainer.check_run(config, str(tmp_path / "new"))
+
+
 def test_hard_routing_as_the_only_thing_to_train_is_refused(tmp_path):
     """Hard top-k membership has no gradient: a run that trains only the centroids of hard Focus layers (no balance
     loss) ran with a gradient norm of exactly 0 and saved its initial centroids. Training refuses it by name; the

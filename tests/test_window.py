@@ -121,7 +121,9 @@ def test_gpt2_window_attention_equals_jax_local_window():
             nnx.merge(graphdef, state)(tokens)
         return [(r["q"], r["k"], r["v"], r["attend"](r["x"], r["q"], r["k"], r["v"], None)) for r in records]
 
-    for q, k, v, out in run(state, _tokens()):
+    layers = run(state, _tokens())
+    assert len(layers) == model.config.n_layers
+    for q, k, v, out in layers:
         expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(w, 0))
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
 

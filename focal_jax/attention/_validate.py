@@ -136,6 +136,12 @@ def check_choice(name, value, choices):
         raise ValueError(f"{name} must be one of {choices}, got {name}={value!r}")
 
 
+def check_bool(name, value):
+    """True or False (numpy's bool too): a string or None is refused rather than read by its truth value."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {name}={value!r}")
+
+
 def logit_multiplier(q, scale, temperature):
     """The factor the logits q.k are multiplied by: scale / temperature, shaped [B, T, H] or a scalar."""
     b, t, h, d = q.shape
@@ -144,19 +150,25 @@ def logit_multiplier(q, scale, temperature):
     check_positive("scale", scale)
     check_finite("scale", scale)  # (inf: every output NaN)
     check_positive("temperature", temperature)
+    if not isinstance(scale, NUMBERS) and jnp.ndim(scale) > 0:
+        scale = _per_query("scale", scale, (b, t, h))
     if isinstance(temperature, NUMBERS):
         return scale / temperature
-    temperature = jnp.asarray(temperature)
-    if temperature.ndim == 2:  # [B, T] (what learned_temperature returns) would broadcast against [T, H]
-        raise ValueError(f"temperature of shape {temperature.shape} is ambiguous: give a per-query temperature as "
-                         f"[batch, seq, 1] (tau[:, :, None]) or [batch, seq, heads] = {(b, t, h)}")
+    return scale / _per_query("temperature", temperature, (b, t, h))
+
+
+def _per_query(name, value, shape):
+    """An array `value` broadcast to `shape` = [B, T, H] as float32; ValueError naming `name` otherwise."""
+    value = jnp.asarray(value)
+    if value.ndim == 2:  # [B, T] (what learned_temperature returns) would broadcast against [T, H]
+        raise ValueError(f"{name} of shape {value.shape} is ambiguous: give a per-query {name} as "
+                         f"[batch, seq, 1] ({name}[:, :, None]) or [batch, seq, heads] = {shape}")
     try:
-        temperature = jnp.broadcast_to(temperature, (b, t, h))
+        value = jnp.broadcast_to(value, shape)
     except ValueError:
-        raise ValueError(
-            f"temperature must be a float or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
-            f"got shape {temperature.shape}") from None
-    return scale / temperature.astype(jnp.float32)
+        raise ValueError(f"{name} must be a float or broadcastable to [batch, seq, heads] = {shape}, "
+                         f"got shape {value.shape}") from None
+    return value.astype(jnp.float32)
 
 
 def check_softcap(softcap):

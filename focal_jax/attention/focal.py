@@ -136,6 +136,7 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
       (1, 8, 2, 4)
     """
     b, t, h, _ = _validate.check_qkv(q, k, v)
+    _validate.check_bool("causal", causal)
     _validate.check_window(window)
     if causal or window is not None or segment_ids is not None:
         _validate.check_self_attention(q, k)

@@ -71,6 +71,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
         raise ValueError(f"n_iters must be an integer >= 1, got n_iters={n_iters!r}")
     if not isinstance(unroll, bool):
         raise ValueError(f"unroll must be True or False, got unroll={unroll!r}")
+    _validate.check_bool("causal", causal)
     _validate.check_segment_ids(segment_ids, b, t)
     if valid is not None:
         _validate.check_array("valid", valid, f"[batch, seq] = {(b, t)}")

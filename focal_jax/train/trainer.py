@@ -456,10 +456,10 @@ def check_init_from(run: RunConfig):
 
 def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict | None]:
     """`(run, config_data, resume_step, stored)` for a run of `config` in `workdir`: the checked config
-    (`check_config`, with refused: the attention and data settings it would ignore, a window that covers every
-    key of the sequences (`check_windows`), and hard routing as the only thing to train (`check_routing_trains`)),
-    the config as checkpoints store it, and, when `workdir` holds a run, its latest step and that checkpoint's meta
-    (both None otherwise).
+    (`check_config`, with refused: the attention and data settings it would ignore, a window that covers every key
+    of the sequences in a new run (`check_windows`), and hard routing as the only thing to train
+    (`check_routing_trains`)), the config as checkpoints store it, and, when `workdir` holds a run, its latest step
+    and that checkpoint's meta (both None otherwise).
     ValueError naming a bad setting, a `workdir` that is a URL (metrics, plots and the tokenizer copy are written
     with file operations), a run there that this config cannot resume (another config, or a step past
     `total_steps`), an `init_from` the run cannot start from (`check_init_from`, a ConfigError: e.g. a Hugging Face
@@ -468,7 +468,6 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
     run = check_config(config)
     check_attention_fields(run.model)
     check_data_fields(run.data)
-    check_windows(run)
     check_routing_trains(run)
     if "://" in workdir:
         raise ValueError(f"workdir={workdir!r} is a URL; give a directory (a bucket mounted with Cloud Storage FUSE, "
@@ -488,6 +487,8 @@ def check_run(config, workdir: str) -> tuple[RunConfig, dict, int | None, dict |
             raise ValueError(f"workdir {workdir} holds a checkpoint at step {resume_step}, past "
                              f"total_steps={run.total_steps}: give total_steps >= {resume_step} to resume it, or a "
                              f"new workdir")
+    else:  # a stored run trained with its windows (an older version took one covering every key): it resumes
+        check_windows(run)
     check_init_from(run)
     check_data_files(run.data)
     check_batch_layout(make_mesh(run.mesh), run.batch_size, jax.process_count())
