@@ -368,3 +368,12 @@ def test_causal_must_be_a_bool(bad):
     check_raises(lambda: dot_product_attention(Q, KK, V, causal=bad), "causal", repr(bad))
     check_raises(lambda: sinkhorn(G, causal=bad), "causal", repr(bad))
     assert focal_attention(Q, KK, V, causal=np.bool_(False)).shape == Q.shape
+
+
+@pytest.mark.parametrize("bad", [jnp.ones(3), jnp.ones(T), "a", None])
+def test_learned_temperature_bias_must_be_a_number(bad):
+    """A [seq] bias was added per position (the docstring says a scalar), a [3] one failed in a broadcast naming
+    nothing, a string with a bare TypeError."""
+    x, w = ones(B, T, 6), jnp.zeros(6)
+    check_raises(lambda: learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=bad), "bias")
+    assert float(learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=jnp.float32(7.0))[0, 0]) == 7.0

@@ -209,9 +209,9 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
       clip: `'hard'` (the paper's clip; zero gradient outside the range), `'smooth'`
         (`tau_min + (tau_max - tau_min) * sigmoid(4 (z - mid) / (tau_max - tau_min))`: slope 1 at the midpoint,
         never flat), or `'straight_through'` (clipped forward, identity gradient).
-      bias: a scalar offset added to the mean (our addition, not in the paper). Initialise it inside
-        `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a hard clip passes no gradient to
-        a tau that starts outside the range.
+      bias: a scalar offset (a number or 0-d array) added to the mean (our addition, not in the paper).
+        Initialise it inside `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a hard clip passes no
+        gradient to a tau that starts outside the range.
       segment_ids: optional int `[B, T]`; the mean runs over the tokens of the token's own segment.
 
     Returns:
@@ -232,6 +232,7 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         raise ValueError(f"w_tau must have shape [d_model] = ({x.shape[-1]},), got shape {w_tau.shape}")
     _validate.check_scalar("tau_min", tau_min)
     _validate.check_scalar("tau_max", tau_max)
+    _validate.check_scalar("bias", bias)  # (a [seq] array was added per position)
     _validate.check_positive("tau_min", tau_min)  # tau divides the logits
     if _validate.is_concrete(tau_min) and _validate.is_concrete(tau_max) and not tau_min < tau_max:
         raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
