@@ -276,7 +276,7 @@ def train_tokenizer(documents: list[str], vocab_size: int, path: str) -> Tokeniz
         if problem is None:
             raise
         raise VocabSizeError(f"vocab_size={vocab_size} is {problem} for this corpus ({len(documents)} documents, "
-                         f"{n_chars} characters). SentencePiece said: {e}") from None
+                             f"{n_chars} characters). SentencePiece said: {e}") from None
     write_atomically(path, model.getvalue())
     return Tokenizer(str(path))
 

@@ -598,8 +598,8 @@ def plot_diagnostics(result: dict, path: str) -> str:
 
 def main(argv=None) -> dict:
     """`python -m focal_jax.eval.diagnostics --workdir DIR [--step S] [--batches N] [--seq-len N] [--batch-size N]
-    [--topk K] [--top N] [--no-entropy] [--out FILE.json] [--png FILE.png]`: group diagnostics and attention entropy of a trained run on held-out
-    batches; prints the tables and returns the result."""
+    [--topk K] [--top N] [--no-entropy] [--out FILE.json] [--png FILE.png]`: group diagnostics and attention
+    entropy of a trained run on held-out batches; prints the tables and returns the result."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.diagnostics", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
