@@ -69,8 +69,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
         raise ValueError(f"scores must have at least one group (K >= 1), got K={k}")
     if isinstance(n_iters, bool) or not isinstance(n_iters, (int, np.integer)) or n_iters < 1:
         raise ValueError(f"n_iters must be an integer >= 1, got n_iters={n_iters!r}")
-    if not isinstance(unroll, bool):
-        raise ValueError(f"unroll must be True or False, got unroll={unroll!r}")
+    _validate.check_bool("unroll", unroll)
     _validate.check_bool("causal", causal)
     _validate.check_segment_ids(segment_ids, b, t)
     if valid is not None:
@@ -78,7 +77,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     if valid is not None and tuple(valid.shape) != (b, t):
         raise ValueError(f"valid must have shape [batch, seq] = {(b, t)}, got shape {valid.shape}")
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
-    return _balanced(scores, segment_ids, valid, n_iters=int(n_iters), causal=bool(causal), unroll=unroll)
+    return _balanced(scores, segment_ids, valid, n_iters=int(n_iters), causal=bool(causal), unroll=bool(unroll))
 
 
 # Jitted as a whole: called eagerly (a notebook, a KV-cache decode step), the scan over a new `iteration` closure
