@@ -1134,7 +1134,7 @@ def block_sizes(backend: str, block_size: int | None = None, band_block_size: in
 def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=None, sink=0, softcap=None,
                         block_size=None, band_block_size=None, backend=None, mesh=None, max_groups=None,
                         num_warps=None, num_stages=None, _sets=(True, True, False)):
-    """Hard Focus attention through the Pallas kernels (inputs validated by `focus_sparse_attention`).
+    """Hard Focus attention through the Pallas kernels (what `focus_sparse_attention(impl='pallas')` calls).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
     temperature) a number or an array, scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]`
@@ -1157,7 +1157,16 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     (or with all axes of size 1) nothing changes. Inside a user's `jax.shard_map` the kernels run on the shard they
     are given, and their outputs vary over the mesh axes their inputs vary over (as `check_vma=True` checks);
     `backend='interpret'` runs there only with `check_vma=False` (jax's Pallas interpreter; a ValueError says so).
+
+    Raises ValueError naming the argument: the checks of `focus_sparse_attention` (shapes, window, sink,
+    segment_ids, softcap, a floating-point membership, a token in more than `max_groups` groups when membership is
+    concrete) and of the settings above.
     """
+    _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
+    _validate.check_membership_dtype(membership)
+    _validate.check_softcap(softcap)
+    _validate.check_finite("multiplier", multiplier)
+    _validate.check_max_groups(membership, max_groups)
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -1165,8 +1174,8 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         raise ValueError(f"backend='interpret' (the default off GPUs and TPUs) cannot run inside a jax.shard_map that "
                          f"checks varying axes (check_vma=True, its default; the inputs vary over "
                          f"{sorted(varying_axes(q, k, v, membership))}): jax's Pallas interpreter slices them with "
-                         f"indices that do not vary. Use impl='decomposed', backend='mosaic_interpret', or "
-                         f"jax.shard_map(..., check_vma=False)")
+                         f"indices that do not vary. Use impl='decomposed', focus_sparse_pallas(..., backend='mosaic_interpret') "
+                         f"(focal_jax.kernels.focus_sparse), or jax.shard_map(..., check_vma=False)")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
@@ -1230,11 +1239,7 @@ def dot_product_pallas(q, k, v, *, multiplier, window=None, segment_ids=None, so
     group (set A only: every causal pair, full blocks without the element mask); a `window` w puts no token in any
     group (set B only: the local band `0 <= i - j <= w`). Shapes and arguments as `focus_sparse_pallas`."""
     b, t, _, _ = _validate.check_qkv(q, k, v)
-    _validate.check_self_attention(q, k)
-    _validate.check_window(window)
-    _validate.check_segment_ids(segment_ids, b, t)
-    _validate.check_softcap(softcap)
-    _validate.check_finite("multiplier", multiplier)
+    _validate.check_window(window)  # (None here; the rest is checked by focus_sparse_pallas)
     membership = jnp.full((b, t, 1), window is None)
     return focus_sparse_pallas(q, k, v, membership, multiplier=multiplier, window=0 if window is None else window,
                                segment_ids=segment_ids, softcap=softcap, block_size=block_size,

@@ -260,7 +260,8 @@ def test_inside_a_shard_map_that_checks_varying_axes():
             assert_close(g, e, atol=1e-5, what=f"{name} d{d}")
     interpreted = jax.shard_map(lambda q, k, v, m: focus_sparse_attention(q, k, v, m, window=3, impl="pallas"),
                                 mesh=mesh, in_specs=(heads, heads, heads, rows), out_specs=heads)
-    with pytest.raises(ValueError, match=r"backend='interpret'.*check_vma=True.*\['data', 'tensor'\]"):
+    with pytest.raises(ValueError, match=r"backend='interpret'.*check_vma=True.*\['data', 'tensor'\].*"
+                                         r"focus_sparse_pallas\(\.\.\., backend='mosaic_interpret'\)"):
         jax.jit(interpreted)(q, k, v, membership)
 
 

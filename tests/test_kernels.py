@@ -385,14 +385,15 @@ def test_gpu_kernels_take_activations_row_major(backend):
         assert transposed and all(shape[1] in (1, 2) for shape in activations), (transposed, activations)
 
 
-@pytest.mark.parametrize("backend,max_groups", [("interpret", 1), ("interpret", None), ("mosaic", 1)])
+@pytest.mark.parametrize("backend,max_groups", [("interpret", 2), ("interpret", None), ("mosaic", 2)])
 def test_gpu_kernels_gather_the_rows_of_set_a_themselves(backend, max_groups):
     """The GPU form's set-A kernels read q, k, v and dO in token order `[B, T, H, D]` and gather their entries' rows
     inside the kernel: no activation is gathered into entry order outside it (such copies were 0.94 of the 1.83 GB
     that XLA's own ops read and wrote in a forward + backward at 16K compiled for an H200, and with
     `max_groups=None` each is K times larger). The TPU form, whose kernels copy contiguous blocks by DMA, reads
     copies gathered into entry order (the positive control). T = 200 is not a multiple of the blocks, so the
-    entries (E = 256 or 4 x 200 rows) are not the tokens."""
+    entries (2 x 200 or 4 x 200 rows, with padding) are not the tokens. (Each token is in 2 of the 4 groups,
+    so `max_groups` is at least 2.)"""
     t, d = 200, 16
     q, k, v = rand_qkv(23, 1, t, 2, 1, d)
     membership = random_membership(24, 1, t, 4, 2)
@@ -581,6 +582,34 @@ def test_dot_product_pallas_refuses_bad_inputs_by_name():
         attend(block_size=0)
     with pytest.raises(ValueError, match="band_block_size must be None or an integer >= 1, got band_block_size=8.0"):
         attend(window=2, band_block_size=8.0)
+
+
+def test_focus_sparse_pallas_refuses_bad_inputs_by_name():
+    """`focus_sparse_pallas` is public too (README: its `mesh=`, `num_warps`) and checked nothing of what
+    `focus_sparse_attention` checks: k heads not dividing q's, window=-1, a float membership and a negative softcap
+    ran silently; a window or sink of None, a 2-d membership and short segment_ids failed in a TypeError or
+    unpacking error naming nothing."""
+    q, k, v = rand_qkv(0, 1, 16, 2, 2, 8)
+    membership = topk_membership(jax.random.normal(jax.random.key(1), (1, 16, 3)), 1)
+    attend = lambda q=q, k=k, v=v, membership=membership, **kw: ks.focus_sparse_pallas(
+        q, k, v, membership, **{"multiplier": 0.3, "window": 2, **kw})
+    assert attend().shape == (1, 16, 2, 8)
+    for kwargs, message in [
+            (dict(k=jnp.ones((1, 16, 3, 8)), v=jnp.ones((1, 16, 3, 8))), "got q heads=2 and k heads=3"),
+            (dict(k=k[:, :5], v=v[:, :5]), "q seq=16 and k seq=5"),
+            (dict(window=-1), "got window=-1"),
+            (dict(window=None), "got window=None"),
+            (dict(sink=None), "got sink=None"),
+            (dict(membership=membership[..., 0]), r"membership must have shape \[batch, seq, K\] = \[1, 16, K\]"),
+            (dict(membership=membership.astype(jnp.float32)), "membership must be a bool array"),
+            (dict(segment_ids=jnp.zeros((1, 15), jnp.int32)), r"segment_ids must have shape .* got shape \(1, 15\)"),
+            (dict(softcap=-1.0), "softcap=-1.0"),
+            (dict(multiplier="a"), "multiplier must be a number or an array"),
+            (dict(multiplier=float("inf")), "multiplier=inf"),
+            (dict(max_groups=0), "max_groups=0"),
+            (dict(membership=jnp.ones((1, 16, 3), bool), max_groups=2), "a token of membership is in 3 groups")]:
+        with pytest.raises(ValueError, match=message):
+            attend(**kwargs)
 
 
 @pytest.mark.parametrize("head_dim,dv,block", [(24, 24, 64), (16, 80, 64), (16, 16, 48)])

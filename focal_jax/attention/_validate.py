@@ -178,3 +178,48 @@ def check_softcap(softcap):
                 or not 0 < softcap < np.inf):  # inf or NaN: every logit NaN
             raise ValueError(f"softcap must be None or a finite number > 0 (logits -> softcap * tanh(logits / "
                              f"softcap)), got softcap={softcap!r}")
+
+
+def check_sink(sink):
+    """An integer in [0, 2**31 - 1]: the number of keys every query sees."""
+    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or not 0 <= sink <= INT32_MAX:
+        raise ValueError(f"sink must be an integer in [0, 2**31 - 1] (the first `sink` keys are always visible), got "
+                         f"sink={sink!r}")
+
+
+def check_membership_dtype(membership):
+    """Membership is bool (or integers 0 / 1): a floating-point array, such as the assignment g itself, would
+    count every nonzero score as membership."""
+    if jnp.issubdtype(membership.dtype, jnp.floating):
+        raise ValueError(f"membership must be a bool array (e.g. topk_membership(g, k)), got dtype "
+                         f"{membership.dtype}: every nonzero score would count as membership")
+
+
+def check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):
+    """The arguments every Focus path shares: q, k, v (self-attention), `groups_like` `[B, T, K]` (named `name`:
+    the assignment g or a membership), window, segment_ids and sink; returns `(B, T)`."""
+    b, t, _, _ = check_qkv(q, k, v)
+    check_self_attention(q, k)
+    check_window(window, allow_none=False)
+    check_sink(sink)
+    check_array(name, groups_like, "[batch, seq, K]")
+    if groups_like.ndim != 3 or groups_like.shape[:2] != (b, t):
+        raise ValueError(f"{name} must have shape [batch, seq, K] = [{b}, {t}, K], got shape {groups_like.shape}")
+    if groups_like.shape[2] < 1:
+        raise ValueError(f"{name} must have at least one group (K >= 1), got K={groups_like.shape[2]}")
+    check_segment_ids(segment_ids, b, t)
+    return b, t
+
+
+def check_max_groups(membership, max_groups):
+    """`max_groups` is None or an integer >= 1; with a concrete membership, no token is in more groups."""
+    if max_groups is None:
+        return
+    if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
+        raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}")
+    if isinstance(membership, jax.core.Tracer):
+        return
+    most = int(np.max(np.sum(np.asarray(membership), axis=-1), initial=0))  # numpy: also inside a jit trace
+    if most > max_groups:
+        raise ValueError(f"max_groups={max_groups} but a token of membership is in {most} groups; pass "
+                         f"max_groups >= {most} (or None)")

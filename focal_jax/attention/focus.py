@@ -64,34 +64,6 @@ def _unit_rows(x):
     return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
 
 
-def _check_sink(sink):
-    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or not 0 <= sink <= _validate.INT32_MAX:
-        raise ValueError(f"sink must be an integer in [0, 2**31 - 1] (the first `sink` keys are always visible), got "
-                         f"sink={sink!r}")
-
-
-def _check_membership_dtype(membership):
-    """Membership is bool (or integers 0 / 1): a floating-point array, such as the assignment g itself, would
-    count every nonzero score as membership."""
-    if jnp.issubdtype(membership.dtype, jnp.floating):
-        raise ValueError(f"membership must be a bool array (e.g. topk_membership(g, k)), got dtype "
-                         f"{membership.dtype}: every nonzero score would count as membership")
-
-
-def _check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):
-    b, t, _, _ = _validate.check_qkv(q, k, v)
-    _validate.check_self_attention(q, k)
-    _validate.check_window(window, allow_none=False)
-    _check_sink(sink)
-    _validate.check_array(name, groups_like, "[batch, seq, K]")
-    if groups_like.ndim != 3 or groups_like.shape[:2] != (b, t):
-        raise ValueError(f"{name} must have shape [batch, seq, K] = [{b}, {t}, K], got shape {groups_like.shape}")
-    if groups_like.shape[2] < 1:
-        raise ValueError(f"{name} must have at least one group (K >= 1), got K={groups_like.shape[2]}")
-    _validate.check_segment_ids(segment_ids, b, t)
-    return b, t
-
-
 def _visible(b, t, window, segment_ids, sink):
     """Causal (and same-segment) pairs, and among them those always visible (local or a sink key): two bool
     `[B, T, T]`."""
@@ -138,7 +110,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       >>> focus_attention(q, k, v, g, window=2).shape
       (1, 8, 2, 4)
     """
-    b, t = _check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
+    b, t = _validate.check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
     _validate.check_choice("gate", gate, GATES)
     _validate.check_positive("lam", lam)  # (lam < 0 would gate the pairs of shared groups most)
     _validate.check_finite("lam", lam)  # (lam = inf: inf * 0 = NaN logits wherever the affinity is 0, or 1/2)
@@ -204,9 +176,9 @@ def focus_mask(membership, *, window, segment_ids=None, sink=0):
     _validate.check_array("membership", membership, "[batch, seq, K]")
     if membership.ndim != 3:
         raise ValueError(f"membership must have shape [batch, seq, K], got shape {membership.shape}")
-    _check_membership_dtype(membership)
+    _validate.check_membership_dtype(membership)
     _validate.check_window(window, allow_none=False)
-    _check_sink(sink)
+    _validate.check_sink(sink)
     b, t, _ = membership.shape
     _validate.check_segment_ids(segment_ids, b, t)
     causal, always = _visible(b, t, window, segment_ids, sink)
@@ -261,8 +233,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       >>> bool(jnp.abs(a - b).max() < 1e-5)
       True
     """
-    b, t = _check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
-    _check_membership_dtype(membership)
+    b, t = _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
+    _validate.check_membership_dtype(membership)
     _validate.check_choice("impl", impl, IMPLS)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
@@ -270,7 +242,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     _validate.check_softcap(softcap)
     membership = membership.astype(bool)
-    _check_max_groups(membership, max_groups)
+    _validate.check_max_groups(membership, max_groups)
     if impl == "reference":
         mask = focus_mask(membership, window=window, segment_ids=segment_ids, sink=sink)
         out = attend(attention_logits(q, k, multiplier, softcap), v, mask)
@@ -290,17 +262,3 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
         return out
     too_many = jnp.any(jnp.sum(membership, axis=-1) > max_groups, axis=1)  # [B]
     return jnp.where(too_many[:, None, None, None], jnp.nan, out).astype(out.dtype)
-
-
-def _check_max_groups(membership, max_groups):
-    """`max_groups` is None or an integer >= 1; with a concrete membership, no token is in more groups."""
-    if max_groups is None:
-        return
-    if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
-        raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}")
-    if isinstance(membership, jax.core.Tracer):
-        return
-    most = int(np.max(np.sum(np.asarray(membership), axis=-1), initial=0))  # numpy: also inside a jit trace
-    if most > max_groups:
-        raise ValueError(f"max_groups={max_groups} but a token of membership is in {most} groups; pass "
-                         f"max_groups >= {most} (or None)")
