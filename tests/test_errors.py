@@ -377,3 +377,25 @@ def test_learned_temperature_bias_must_be_a_number(bad):
     x, w = ones(B, T, 6), jnp.zeros(6)
     check_raises(lambda: learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=bad), "bias")
     assert float(learned_temperature(x, w, tau_min=5.0, tau_max=10.0, bias=jnp.float32(7.0))[0, 0]) == 7.0
+
+
+@pytest.mark.parametrize("name, call", [
+    ("window", lambda x: focal_attention(Q, KK, V, window=x)),
+    ("causal", lambda x: dot_product_attention(Q, KK, V, causal=x)),
+    ("softcap", lambda x: focal_attention(Q, KK, V, softcap=x)),
+    ("sink", lambda x: focus_sparse_attention(Q, KK, V, MEM, window=2, sink=x)),
+    ("max_groups", lambda x: focus_sparse_attention(Q, KK, V, MEM, window=2, max_groups=x)),
+    ("block_size", lambda x: focus_sparse_attention(Q, KK, V, MEM, window=2, impl="decomposed", block_size=x)),
+    ("n_iters", lambda x: sinkhorn(G, n_iters=x)),
+    ("unroll", lambda x: sinkhorn(G, unroll=x))])
+def test_a_traced_setting_is_named_with_how_to_make_it_static(name, call):
+    """A setting that shapes the program, passed as an argument of a jitted function, was refused as
+    'got window=JitTracer(~int32[])' with no word on what to do; the message says to pass it as a Python value.
+    An untraced bad value gets no such hint."""
+    value = True if name in ("causal", "unroll") else 3
+    with pytest.raises(ValueError, match=rf"got {name}=.*Tracer.*it is traced: {name} shapes the program.*"
+                                         rf"static_argnames='{name}'"):
+        jax.jit(lambda x: call(x))(value)
+    with pytest.raises(ValueError) as info:
+        call("3")
+    assert "traced" not in str(info.value) and f"got {name}='3'" in str(info.value)

@@ -66,13 +66,22 @@ def check_self_attention(q, k):
             f"got q seq={q.shape[1]} and k seq={k.shape[1]}")
 
 
+def static_hint(name, value) -> str:
+    """What an error about the setting `name` adds when `value` is traced (an argument of a `jax.jit`ed function):
+    such settings shape the program, so they must be Python values."""
+    if not isinstance(value, jax.core.Tracer):
+        return ""
+    return (f"; it is traced: {name} shapes the program, so pass it as a Python value (mark it static, e.g. "
+            f"jax.jit(f, static_argnames='{name}'), or close over it)")
+
+
 def check_window(window, *, allow_none=True):
     if window is None and allow_none:
         return
     if (window is None or isinstance(window, bool) or not isinstance(window, (int, np.integer))
             or not 0 <= window <= INT32_MAX):  # (larger ones overflowed the int32 position arithmetic)
         raise ValueError(f"window must be an integer in [0, 2**31 - 1] (keys j with 0 <= i - j <= window), got "
-                         f"window={window!r}")
+                         f"window={window!r}{static_hint('window', window)}")
 
 
 def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
@@ -139,7 +148,7 @@ def check_choice(name, value, choices):
 def check_bool(name, value):
     """True or False (numpy's bool too): a string or None is refused rather than read by its truth value."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {name}={value!r}")
+        raise ValueError(f"{name} must be True or False, got {name}={value!r}{static_hint(name, value)}")
 
 
 def logit_multiplier(q, scale, temperature):
@@ -177,14 +186,14 @@ def check_softcap(softcap):
         if (isinstance(softcap, bool) or not isinstance(softcap, NUMBERS)
                 or not 0 < softcap < np.inf):  # inf or NaN: every logit NaN
             raise ValueError(f"softcap must be None or a finite number > 0 (logits -> softcap * tanh(logits / "
-                             f"softcap)), got softcap={softcap!r}")
+                             f"softcap)), got softcap={softcap!r}{static_hint('softcap', softcap)}")
 
 
 def check_sink(sink):
     """An integer in [0, 2**31 - 1]: the number of keys every query sees."""
     if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or not 0 <= sink <= INT32_MAX:
         raise ValueError(f"sink must be an integer in [0, 2**31 - 1] (the first `sink` keys are always visible), got "
-                         f"sink={sink!r}")
+                         f"sink={sink!r}{static_hint('sink', sink)}")
 
 
 def check_membership_dtype(membership):
@@ -216,7 +225,8 @@ def check_max_groups(membership, max_groups):
     if max_groups is None:
         return
     if isinstance(max_groups, bool) or not isinstance(max_groups, (int, np.integer)) or max_groups < 1:
-        raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}")
+        raise ValueError(f"max_groups must be None or an integer >= 1, got max_groups={max_groups!r}"
+                         f"{static_hint('max_groups', max_groups)}")
     if isinstance(membership, jax.core.Tracer):
         return
     most = int(np.max(np.sum(np.asarray(membership), axis=-1), initial=0))  # numpy: also inside a jit trace

@@ -238,7 +238,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     _validate.check_choice("impl", impl, IMPLS)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
-        raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}")
+        raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}"
+                         f"{_validate.static_hint('block_size', block_size)}")
     multiplier = _validate.logit_multiplier(q, scale, temperature)
     _validate.check_softcap(softcap)
     membership = membership.astype(bool)

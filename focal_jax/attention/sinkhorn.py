@@ -68,7 +68,8 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     if k < 1:
         raise ValueError(f"scores must have at least one group (K >= 1), got K={k}")
     if isinstance(n_iters, bool) or not isinstance(n_iters, (int, np.integer)) or n_iters < 1:
-        raise ValueError(f"n_iters must be an integer >= 1, got n_iters={n_iters!r}")
+        raise ValueError(f"n_iters must be an integer >= 1, got n_iters={n_iters!r}"
+                         f"{_validate.static_hint('n_iters', n_iters)}")
     _validate.check_bool("unroll", unroll)
     _validate.check_bool("causal", causal)
     _validate.check_segment_ids(segment_ids, b, t)
