@@ -200,6 +200,31 @@ def test_bf16_inputs_follow_float32_reference():
     assert_close(got.astype(jnp.float32), outside.astype(jnp.float32), atol=1e-2)
 
 
+@pytest.mark.parametrize("impl", ["focal", "reference", "decomposed", "pallas"])
+def test_a_concrete_0d_temperature_is_a_number(impl):
+    """`temperature=jnp.float32(0.05)` was broadcast to a per-query array and folded into bf16 q: 0.12 off the
+    float32 inputs' result where the float 0.05 is 0.012 off (`focal_attention`; 0.09 vs 0.012 reference, 0.09 vs
+    0.008 decomposed; B = 2, T = 64, H = 4, D = 32). A concrete 0-d array (jax or numpy) is now the number it holds,
+    bit for bit; a traced one still takes the per-query path, and differentiates. The pallas kernels multiply the
+    float32 scores by either, so there the two paths agree bit for bit."""
+    from focal_jax.attention import focus_sparse_attention, topk_membership
+    q, k, v = (x.astype(jnp.bfloat16) for x in rand_qkv(21, 2, 64, 4, 4, 32))
+    membership = topk_membership(jax.random.normal(jax.random.key(22), (2, 64, 4)), 1)
+    attend = ((lambda t: focal_attention(q, k, v, temperature=t)) if impl == "focal" else
+              lambda t: focus_sparse_attention(q, k, v, membership, window=4, temperature=t, impl=impl, block_size=16))
+    number = attend(0.05)
+    for zero_d in (jnp.float32(0.05), jnp.asarray(0.05, jnp.bfloat16).astype(jnp.float32), np.array(0.05)):
+        np.testing.assert_array_equal(attend(zero_d), attend(float(zero_d)))
+    np.testing.assert_array_equal(attend(jnp.float32(0.05)), number)
+    folded = attend(jnp.full((2, 64, 1), 0.05))  # the per-query path, as before
+    assert np.array_equal(folded, number) == (impl == "pallas")
+    traced = jax.jit(attend)(jnp.float32(0.05))
+    np.testing.assert_array_equal(traced, folded)
+    if impl != "pallas":  # (interpret-mode kernels: slow to differentiate here; test_kernels covers them)
+        grad = jax.grad(lambda t: jnp.sum(attend(t).astype(jnp.float32)))(jnp.float32(0.05))
+        assert np.isfinite(grad) and grad != 0
+
+
 def test_bf16_products_run_in_16_bits():
     """With bf16 inputs both forward products take bf16 operands, and so do the backward's four: the two with v and
     the output's cotangent, and dq and dk, whose float32 softmax gradient is rounded to bf16 first (`einsum_f32`;
@@ -311,6 +336,21 @@ def test_prefix_ignores_future_sequence_leaks(i):
     # 'sequence' (the paper's literal mean) does see the future: documents the leak
     seq, seq2 = (learned_temperature(xx, w, mode="sequence", bias=7.5, **TAU_RANGE) for xx in (x, x2))
     assert float(jnp.max(jnp.abs(seq[:, :i + 1] - seq2[:, :i + 1]))) > 1e-3
+
+
+def test_right_padding_enters_the_sequence_mean_unless_its_segment_id_differs():
+    """As the docstring says: padding is a token like any other, so padding with the row's segment id (or with no
+    segment ids) moves the 'sequence' tau of real tokens, and the padding segment id 0 of packed rows does not."""
+    x, w = rand_x(26, w_scale=0.5)
+    real = x.shape[1] - 5
+    alone = learned_temperature(x[:, :real], w, mode="sequence", bias=7.5, **TAU_RANGE)
+    segments = jnp.broadcast_to(jnp.arange(x.shape[1]) < real, x.shape[:2]).astype(jnp.int32)
+    padded = learned_temperature(x, w, mode="sequence", bias=7.5, segment_ids=segments, **TAU_RANGE)
+    assert_close(padded[:, :real], alone)
+    unmarked = learned_temperature(x, w, mode="sequence", bias=7.5, **TAU_RANGE)
+    assert float(jnp.max(jnp.abs(unmarked[:, :real] - alone))) > 1e-3
+    prefix = learned_temperature(x, w, mode="prefix", bias=7.5, **TAU_RANGE)
+    assert_close(prefix[:, :real], learned_temperature(x[:, :real], w, mode="prefix", bias=7.5, **TAU_RANGE))
 
 
 def test_gradient_reaches_w_tau_at_initialisation():

@@ -151,9 +151,21 @@ def check_bool(name, value):
         raise ValueError(f"{name} must be True or False, got {name}={value!r}{static_hint(name, value)}")
 
 
+def _number_if_concrete(value):
+    """A concrete (untraced) 0-d real array as the Python float it holds, which multiplies the float32 logits as a
+    number does (a traced one cannot be read, and scales q); anything else as it is."""
+    if (is_array(value) and is_concrete(value) and np.ndim(value) == 0
+            and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))):
+        with jax.ensure_compile_time_eval():  # a concrete array captured by a jit being traced
+            return float(value)
+    return value
+
+
 def logit_multiplier(q, scale, temperature):
-    """The factor the logits q.k are multiplied by: scale / temperature, shaped [B, T, H] or a scalar."""
+    """The factor the logits q.k are multiplied by: scale / temperature, shaped [B, T, H] or a scalar (a number
+    when both are numbers or concrete 0-d arrays)."""
     b, t, h, d = q.shape
+    scale, temperature = _number_if_concrete(scale), _number_if_concrete(temperature)
     if scale is None:
         scale = 1.0 / np.sqrt(d)
     check_positive("scale", scale)

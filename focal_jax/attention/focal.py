@@ -108,10 +108,11 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
 
     Args:
       q: `[B, T, H, D]`; k: `[B, S, Hk, D]`; v: `[B, S, Hk, Dv]`, with Hk dividing H (GQA).
-      temperature: a float > 0, or an array broadcastable to `[B, T, H]` (one per query and head; a 2-D array is
-        refused as ambiguous: give `[B, T, 1]`). `t < 1` sharpens (the paper's best is 0.4); `t = 1` is exactly
-        `dot_product_attention`. For the learned temperature pass `scale=1.0, temperature=tau[:, :, None]`, so tau
-        replaces `sqrt(D)`.
+      temperature: a float > 0 (or a concrete 0-d array, taken as the float it holds), or an array broadcastable
+        to `[B, T, H]` (one per query and head; a 2-D array is refused as ambiguous: give `[B, T, 1]`); an array
+        or traced one scales q in q's dtype, a float the float32 logits. `t < 1` sharpens (the paper's best is
+        0.4); `t = 1` is exactly `dot_product_attention`. For the learned temperature pass `scale=1.0,
+        temperature=tau[:, :, None]`, so tau replaces `sqrt(D)`.
       scale: logit scale, default `1/sqrt(D)`.
       causal: key j visible to query i only if j <= i.
       window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).
@@ -205,7 +206,9 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         arrays (traced ones too, e.g. `jax.jit` arguments: their values are then not checked).
       mode: `'prefix'` (default, causal): the running mean over tokens <= i, so tau_i never sees the future;
         `'sequence'`: the paper's literal mean over all tokens of the row (tau_i depends on later tokens).
-        Both reset at segment boundaries when `segment_ids` is given.
+        Both reset at segment boundaries when `segment_ids` is given. Padding is a token like any other: right
+        padding changes no real token's `'prefix'` tau, but enters the `'sequence'` mean unless its segment id
+        differs from its row's tokens' (`focal_jax.data` gives padding segment id 0).
       clip: `'hard'` (the paper's clip; zero gradient outside the range), `'smooth'`
         (`tau_min + (tau_max - tau_min) * sigmoid(4 (z - mid) / (tau_max - tau_min))`: slope 1 at the midpoint,
         never flat), or `'straight_through'` (clipped forward, identity gradient).

@@ -216,9 +216,10 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       `[B, T, H, Dv]` in v's dtype. Every impl multiplies in the dtype q, k and v promote to (bf16: the
       probabilities and dS rounded to bf16 for their products, as in flash attention) with float32 accumulation
       and a float32 softmax; float64 inputs under `jax_enable_x64` are computed at float32 accuracy and returned as
-      float64. A numeric temperature (and scale) multiplies the float32 logits; in `'decomposed'` and `'pallas'`
-      an array one (per query, or a number traced by an outer `jax.jit`) scales q before the products, in q's
-      dtype: with bf16 q the multiplier is rounded with it (relative 2^-8).
+      float64. A numeric temperature (and scale: a number, or a concrete 0-d array) multiplies the float32
+      logits; in `'reference'` and `'decomposed'` an array one (per query, or a 0-d one traced by an outer
+      `jax.jit` or `jax.grad`) scales q before the products, in q's dtype: with bf16 q the multiplier is rounded
+      with it (relative 2^-8). `'pallas'` multiplies each block's float32 scores by either.
 
     Raises:
       ValueError naming the argument: q, k, v or membership not an array (a list: convert it with `jnp.asarray`)
