@@ -56,7 +56,8 @@ def config_file(argv) -> str | None:
 def parse_flags(argv):
     """absl's parsing, with each error one line naming the bad value: a `--config` file that does not exist
     (ml_collections ends in a traceback, and only once the config is read) and an error of the file's `get_config`
-    (ml_collections gives its whole traceback) included."""
+    (ml_collections gives its whole traceback) included; a section given a value (`--config.data.task_kwargs=
+    n_pairs=8`, the form before 0.6.10) is told to set its keys one by one."""
     path = config_file(argv[1:])
     if path and not os.path.isfile(path):
         _fail(f"--config: no file {path!r} (relative paths are from the working directory {os.getcwd()}; the "
@@ -72,6 +73,9 @@ def parse_flags(argv):
         message = str(e)
         if "Error whilst parsing config file:" in message:  # the exception's own line ends the traceback
             message = f"--config {path}: " + message.strip().splitlines()[-1].strip()
+        elif " as a ConfigDict: " in message and message.startswith("flag --config."):
+            section = message[len("flag --"):].split("=", 1)[0]
+            message += f" ({section} is a section: set its keys one by one, --{section}.KEY=VALUE)"
         _fail(message)
     except (KeyError, ValueError, TypeError, AttributeError) as e:  # ml_collections, on an override below a
         _fail(override_error(argv[1:], e))  # missing, None or non-section key

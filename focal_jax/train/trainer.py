@@ -351,10 +351,12 @@ def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
     changed = np.flatnonzero(~np.isclose(before, now, rtol=1e-6, atol=0.0))
     if changed.size:
         i = changed[0]
-        log(f"note: the learning-rate schedule changed on resume (total_steps {stored_total} -> {run.total_steps}, "
-            f"optim.decay_steps {stored_optim.decay_steps} -> {run.optim.decay_steps}): step {counts[i] + 1} trains "
-            f"at lr {now[i]:.3g} where the stored run would have used {before[i]:.3g}. To extend a run on its old "
-            f"decay, set --config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
+        changes = ", ".join(f"{name} {old} -> {new}" for name, old, new in (
+            ("total_steps", stored_total, run.total_steps),
+            ("optim.decay_steps", stored_optim.decay_steps, run.optim.decay_steps)) if old != new)
+        log(f"note: the learning-rate schedule changed on resume ({changes}): step {counts[i] + 1} trains at lr "
+            f"{now[i]:.3g} where the stored run would have used {before[i]:.3g}. To extend a run on its old decay, "
+            f"set --config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
 
 
 def data_fingerprint(data) -> dict | None:
