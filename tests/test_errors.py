@@ -48,10 +48,11 @@ ATTENTION_FNS = {
 @pytest.mark.parametrize("fn", list(ATTENTION_FNS))
 def test_mismatched_shapes(fn):
     f = ATTENTION_FNS[fn]
-    check_raises(lambda: f(Q, ones(B, T, H, D + 1), V), "k")            # head_dim of k differs from q
-    check_raises(lambda: f(Q, KK, ones(B, T + 1, H, D)), "v")           # sequence of v differs from k
-    check_raises(lambda: f(ones(B, T, H), KK, V), "q")                  # q is not 4-d
-    check_raises(lambda: f(Q, KK, ones(B + 1, T, H, D)), "v")           # batch of v differs
+    # the argument named, and its shape (a one-letter name alone matched anywhere in any message)
+    check_raises(lambda: f(Q, ones(B, T, H, D + 1), V), "k", (B, T, H, D + 1))    # head_dim of k differs from q
+    check_raises(lambda: f(Q, KK, ones(B, T + 1, H, D)), "v", (B, T + 1, H, D))   # sequence of v differs from k
+    check_raises(lambda: f(ones(B, T, H), KK, V), "q", (B, T, H))                 # q is not 4-d
+    check_raises(lambda: f(Q, KK, ones(B + 1, T, H, D)), "v", (B + 1, T, H, D))   # batch of v differs
 
 
 @pytest.mark.parametrize("fn", list(ATTENTION_FNS))

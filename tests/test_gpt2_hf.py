@@ -194,13 +194,20 @@ def test_packed_segments_default_positions_restart_per_document(hf_dir, dense):
     np.testing.assert_allclose(split[:, np.r_[0:4, 17:23]], _torch_logits(torch_model, a), atol=1e-4, rtol=1e-4)
 
 
-def test_bfloat16_load(hf_dir):
-    """dtype=bfloat16 stores every parameter (new Centroids too) in bf16; logits stay float32 and near PyTorch's."""
+def test_bfloat16_load(hf_dir, dense):
+    """dtype=bfloat16 stores every parameter (new Centroids too) in bf16, each the float32 load's value rounded (the
+    logits alone would not show a mis-mapped bias: bf16 puts them 0.0048 off PyTorch's, a zeroed `c_proj.bias`
+    0.008); logits stay float32 and near PyTorch's."""
     path, torch_model = hf_dir
     model = load_gpt2(path, _config_json(path), dtype=jnp.bfloat16, kind="focus", focus_groups=GROUPS,
                       focus_window=WINDOW)
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     assert dtypes == {jnp.dtype(jnp.bfloat16)}
+    pretrained = nnx.to_flat_state(nnx.state(dense, nnx.Param))
+    loaded = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert len(pretrained) > 20 and all(key in loaded for key, _ in pretrained)
+    for key, param in pretrained:
+        np.testing.assert_array_equal(loaded[key].get_value(), param.get_value().astype(jnp.bfloat16), err_msg=key)
     tokens = _tokens(2, WINDOW + 1, seed=7)
     logits = _forward(model, jnp.asarray(tokens))
     assert logits.dtype == jnp.float32
