@@ -1057,6 +1057,12 @@ def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_di
     resumed_model = nnx.to_pure_dict(nnx.state(load_model(resumed, step=1), nnx.Param))
     for path, value in zip(param_paths(resumed_model), jax.tree.leaves(resumed_model)):
         np.testing.assert_array_equal(_get(old_model, path), value, err_msg=path)
+    # and it can be an init_from (it was refused: "missing parameters that are not new"): with its seed's frozen ones
+    follow = config.copy_and_resolve_references()
+    follow.update(init_from=old, seed=5)
+    followed = nnx.to_pure_dict(nnx.state(init_model(check_config(follow)), nnx.Param))
+    for path, value in zip(param_paths(old_model), jax.tree.leaves(old_model)):
+        np.testing.assert_array_equal(_get(followed, path), value, err_msg=path)
     train(config, old)
     assert losses(old) == losses(straight)
     start = nnx.to_pure_dict(nnx.state(init_model(check_config(config)), nnx.Param))

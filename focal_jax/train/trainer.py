@@ -77,9 +77,10 @@ BASE_STEP_GONE = ("the step of init_from that this run started from; the base ru
 
 def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | None = None):
     """Copy the parameters of a focal_jax workdir's latest checkpoint (or of checkpoint `step`) into `model` in
-    place. Parameters the checkpoint lacks must be new ones (`new_param_paths`); a checkpoint of a run that itself
-    started from a pretrained model (trainable parameters only) first loads its own `init_from` (unless
-    `with_base=False`: the model already holds it). Returns the model."""
+    place. Parameters the checkpoint lacks must be new ones (`new_param_paths`), or frozen ones that a run from
+    scratch stored before 0.6.9 did not save (its seed's draws are copied: `_copy_seed_draws`); a checkpoint of a
+    run that itself started from a pretrained model (trainable parameters only) first loads its own `init_from`
+    (unless `with_base=False`: the model already holds it). Returns the model."""
     checkpoint.require_step(workdir, step)
     step, meta = checkpoint.read_meta(workdir, step)
     if meta.get("params_scope") == "trainable" and with_base:
@@ -101,9 +102,13 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
         raise ConfigError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
     missing = set(missing)
     trained = set(meta.get("trainable", ()))  # the run's own trainable parameters: in each of its checkpoints
+    seeded = []
     if meta.get("params_scope") != "trainable" and with_base:
         undeclared = sorted(missing - new_param_paths(model))
-        if undeclared:
+        if undeclared and not set(saved) - trained and not missing & trained:
+            # a run from scratch stored before 0.6.9 saved its trainable parameters only: the rest are its seed's
+            seeded = _copy_seed_draws(model, workdir, step, undeclared)
+        elif undeclared:
             raise ConfigError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
                               f"{_listed(undeclared)}")
     # with_base=False: the model holds the run's base, or (a run from scratch stored before 0.6.9, which saved its
@@ -119,10 +124,37 @@ def load_pretrained(model, workdir: str, *, with_base: bool = True, step: int | 
     shardings = jax.tree.map(lambda x: x.sharding, loaded)
     values = checkpoint.load_params(workdir, step, loaded, shardings)
     nnx.update(model, values)
-    new = sorted(missing) if meta.get("params_scope") != "trainable" and with_base else []  # else the model's own
+    new = sorted(missing - set(seeded)) if meta.get("params_scope") != "trainable" and with_base else []
     log(f"loaded {len(saved)} parameters of {workdir} (step {step})"
+        + (f"; {len(seeded)} drawn from its seed (stored before 0.6.9, it saved its trainable ones only)"
+           if seeded else "")
         + (f"; new: {new[:4]}{' ...' if len(new) > 4 else ''}" if new else ""))
     return model
+
+
+def _copy_seed_draws(model, workdir: str, step: int, paths: list[str]) -> list[str]:
+    """Copy into `model` the parameters at `paths` as the seed of the run in `workdir` draws them (`load_model`
+    rebuilds that run): the frozen parameters of a run from scratch stored before 0.6.9, which saved only the
+    ones it trained. Returns `paths`; ConfigError naming those the run lacks or has in another shape."""
+    run_model = load_model(workdir, step=step)
+    drawn = param_shapes(nnx.to_pure_dict(nnx.state(run_model, nnx.Param)))
+    shapes = param_shapes(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    if absent := [path for path in paths if path not in drawn]:
+        raise ConfigError(f"init_from={workdir!r} is missing parameters that are not new in this config: "
+                          f"{_listed(absent)}")
+    if wrong := [f"{path}: init_from {drawn[path]} vs model {shapes[path]}" for path in paths
+                 if drawn[path] != shapes[path]]:
+        raise ConfigError(f"init_from={workdir!r} has parameters of the wrong shape: {wrong[:5]}")
+    wanted = set(paths)
+
+    def selected(path, _):
+        return path_str(path) in wanted
+
+    _, source, _ = nnx.split(run_model, selected, ...)
+    _, target, _ = nnx.split(model, selected, ...)
+    nnx.update(model, jax.tree.map(lambda value, current: jax.device_put(value.astype(current.dtype), current.sharding),
+                                   nnx.to_pure_dict(source), nnx.to_pure_dict(target)))
+    return paths
 
 
 def param_shapes(params: dict) -> dict[str, tuple]:
