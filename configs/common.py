@@ -5,21 +5,39 @@ An experiment file defines `get_config(arg)`; `arg` is the text after the colon 
 `--config experiments/X.py:ARG`, e.g. `runlocal,size=400M,variant=focal`.
 """
 
+import math
 import os
 
 import ml_collections
 
+from focal_jax.nn.llama import FOCAL_SIZES
 from focal_jax.train.config import default_config, task_kwargs_dict
 
 # Peak learning rates of the Focal paper's sizes (FOCAL_SPEC.md section 3.1, Table 4).
 FOCAL_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7B": 4e-4, "9.5B": 4e-4}
 
-# Attention settings of the Focal paper's three variants.
+# Attention settings of the Focal paper's three variants, for its head_dim 128 (`focal_variant` for others).
 FOCAL_VARIANTS = {
     "baseline": {"kind": "dense"},
     "focal": {"kind": "focal", "focal_t": 0.4},
     "learned": {"kind": "focal_learned", "tau_min": 5.0, "tau_max": 10.0},
 }
+
+
+def focal_variant(name: str, head_dim: int = 128) -> dict:
+    """The attention settings of the Focal paper's variant `name` (a key of `FOCAL_VARIANTS`) for heads of
+    `head_dim`. The learned temperature replaces sqrt(head_dim), so its clip range [5, 10], tuned at head_dim 128,
+    is rescaled by sqrt(head_dim / 128) for other head dims (FOCAL_SPEC.md OQ-F6): [2.5, 5] at 32."""
+    check_choice("variant", name, FOCAL_VARIANTS)
+    return rescaled_tau_range(FOCAL_VARIANTS[name], 128, head_dim)
+
+
+def rescaled_tau_range(attn: dict, from_head_dim: int, to_head_dim: int) -> dict:
+    """`attn` with a learned temperature's `tau_min` / `tau_max` (if set) times sqrt(to_head_dim / from_head_dim):
+    the same range relative to sqrt(head_dim) (FOCAL_SPEC.md OQ-F6)."""
+    factor = math.sqrt(to_head_dim / from_head_dim)
+    return {key: value * factor if key in ("tau_min", "tau_max") and attn.get("kind") == "focal_learned" else value
+            for key, value in attn.items()}
 
 # The Focal paper's batches in tokens (FOCAL_SPEC.md sections 3.1 and 3.3): "0.26M" = 2^18 = 128 x 2048 and
 # "2.1M" = 2^21 = 1024 x 2048.
@@ -217,17 +235,29 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
+def llama_head_dim(model: dict) -> int:
+    """The head_dim of a config's LLaMA model section: its `head_dim`, else that of its `size`
+    (`focal_jax.nn.llama.FOCAL_SIZES`) or `d_model // n_heads`."""
+    if model.get("head_dim"):
+        return model["head_dim"]
+    d_model, _, n_heads, _ = FOCAL_SIZES[model["size"]] if "size" in model else (model["d_model"], 0,
+                                                                                 model["n_heads"], 0)
+    return d_model // n_heads
+
+
 def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict | None = None
              ) -> ml_collections.ConfigDict:
     """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings and the
-    RoPE theta) or a tiny GPT-2, or `model` if given (the model section of a run that starts from another run: that
-    run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus window (of a
-    retrofit or of the model's attention) and a retrofit's sliding window (`retrofit.window`) shrink to 16 so that
-    the 64-token sequences reach past them."""
+    RoPE theta; a learned temperature's range rescaled to its head_dim 16, FOCAL_SPEC.md OQ-F6) or a tiny GPT-2, or
+    `model` if given (the model section of a run that starts from another run: that run's model), short sequences,
+    small batches, float32, frequent logs and checkpoints. A Focus window (of a retrofit or of the model's
+    attention) and a retrofit's sliding window (`retrofit.window`) shrink to 16 so that the 64-token sequences reach
+    past them."""
     if model is None:
         model = config.model.to_dict()
         if model.get("family", "llama") == "llama":
-            attn = dict(model.get("attn", {}))
+            tiny_head_dim = FOCAL_SIZES["tiny"][0] // FOCAL_SIZES["tiny"][2]
+            attn = rescaled_tau_range(dict(model.get("attn", {})), llama_head_dim(model), tiny_head_dim)
             if "focus_window" in attn:
                 attn["focus_window"] = min(attn["focus_window"], 16)
             model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": attn,

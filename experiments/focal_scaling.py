@@ -56,8 +56,7 @@ from focal_jax.configs import common
 
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, size="400M", variant="focal", seq_len=2048, data="", impl="xla")
-    common.check_choice("variant", arg.variant, common.FOCAL_VARIANTS)
-    attn = {**common.FOCAL_VARIANTS[arg.variant], "impl": arg.impl}
+    attn = {**common.focal_variant(arg.variant), "impl": arg.impl}
     config = common.focal_pretraining(arg.size, attn, seq_len=arg.seq_len)
     common.set_data(config, arg.data)
     if arg.runlocal:

@@ -43,8 +43,7 @@ from focal_jax.configs import common
 
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, variant="focal", data="", impl="xla")
-    common.check_choice("variant", arg.variant, common.FOCAL_VARIANTS)
-    attn = {**common.FOCAL_VARIANTS[arg.variant], "impl": arg.impl}
+    attn = {**common.focal_variant(arg.variant), "impl": arg.impl}
     config = common.focal_pretraining("2.7B", attn, batch_tokens=common.FOCAL_LARGE_BATCH_TOKENS, steps=150_000,
                                       lr=5e-4)
     config.ckpt_every = 10_000

@@ -15,15 +15,25 @@ Our choices where the paper is silent (it gives neither the targets, alpha nor t
 
   python -m focal_jax.train --config experiments/lora_baseline.py:init_from=/tmp/quickstart,rank=4 \\
       --workdir /tmp/lora_r4
-  python -m focal_jax.train --config experiments/lora_baseline.py:init_from=/tmp/quickstart,rank=16 \\
-      --workdir /tmp/lora_r16
-  python -m focal_jax.train \\
-      --config experiments/lora_baseline.py:hf=/models/mistral-7b-instruct,rank=4,lr=1e-5,steps=2000 \\
-      --workdir /tmp/lora_mistral_r4
+
+Table 3 (GPT-2 124M on PG-19, as `focus_retrofit.py`'s K = 4 run) and Table 4 (Mistral-7B-Instruct, 2000 steps, as
+`focus_retrofit.py`'s K = 2 run):
+
+  DATA=/data/pg19/train/*.txt
+  for rank in 4 16; do
+    python -m focal_jax.train --config "experiments/lora_baseline.py:hf=/models/gpt2,rank=$rank,data=$DATA" \\
+        --workdir /runs/lora_baseline/gpt2-r$rank
+  done
+  MISTRAL=/models/Mistral-7B-Instruct-v0.2
+  for lr in 1e-5 5e-5 1e-4; do
+    python -m focal_jax.train --config "experiments/lora_baseline.py:hf=$MISTRAL,rank=4,lr=$lr,steps=2000,data=$DATA" \\
+        --workdir /runs/lora_baseline/Mistral-7B-Instruct-r4-lr$lr
+  done
 
 Arguments: init_from (a focal_jax workdir: its model), hf (a Hugging Face directory), rank (4 or 16 in the paper),
 alpha (default, or 0: 2 * rank), targets (letters of q, k, v, o; default qv), lr (default 1e-4), steps (default 4000),
-runlocal. One of init_from / hf is required. The checkpoints hold the LoRA parameters only and record the base model;
+data (a glob of training files; default: the base run's data, or the builtin corpus), runlocal. One of init_from /
+hf is required. The checkpoints hold the LoRA parameters only and record the base model;
 `focal_jax.nn.lora.merge_lora` folds them into the kernels for export.
 """
 
@@ -32,10 +42,11 @@ from focal_jax.configs import common
 
 def get_config(arg=None):
     arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", rank=4, alpha=0.0, targets="qv", lr=1e-4,
-                           steps=4000)
+                           steps=4000, data="")
     config = common.base_config()
     common.start_from(config, init_from=arg.init_from, hf=arg.hf, experiment="lora_baseline")
     config.retrofit.lora = {"rank": arg.rank, "alpha": arg.alpha or 2.0 * arg.rank, "targets": arg.targets}
     config.optim.update(trainable="lora", lr=arg.lr, warmup_steps=100, weight_decay=0.0)
+    common.set_data(config, arg.data)
     config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)
     return config

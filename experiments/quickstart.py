@@ -6,7 +6,8 @@ minutes on 2 CPU cores and shows a falling loss; `runlocal` takes seconds. Repro
   python -m focal_jax.train --config experiments/quickstart.py:runlocal --workdir /tmp/quickstart_local
   python -m focal_jax.train --config experiments/quickstart.py:attn=baseline --workdir /tmp/quickstart_dense
 
-Arguments: runlocal, attn (a Focal paper variant: baseline | focal | learned).
+Arguments: runlocal, attn (a Focal paper variant: baseline | focal | learned; learned clips tau to [2.5, 5], the
+paper's [5, 10] rescaled to this head_dim 32, FOCAL_SPEC.md OQ-F6).
 """
 
 from focal_jax.configs import common
@@ -18,7 +19,7 @@ def get_config(arg=None):
         raise ValueError(f"attn={arg.attn!r} is not one of {tuple(common.FOCAL_VARIANTS)}")
     config = common.base_config()
     config.model = {"family": "llama", "vocab_size": 2000, "d_model": 128, "n_layers": 4, "n_heads": 4,
-                    "intermediate": 344, "qk_norm": "head", "attn": common.FOCAL_VARIANTS[arg.attn]}
+                    "intermediate": 344, "qk_norm": "head", "attn": common.focal_variant(arg.attn, head_dim=32)}
     config.data.update(source="builtin", vocab_size=2000, seq_len=128)
     config.batch_size = 16
     config.total_steps = 600

@@ -65,7 +65,7 @@ def test_focal_runs_from_a_base_check_its_variant(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, extra", [("focus_retrofit", ""), ("focus_finetune", ",attn=dense"),
-                                         ("focus_window_baseline", "")])
+                                         ("focus_window_baseline", ""), ("lora_baseline", "")])
 def test_data_of_a_run_from_a_base_holds_out_its_own_documents(tmp_path, monkeypatch, name, extra):
     """`data=GLOB` on a run that starts from a base run: the base's held-out files (and jsonl field) belong to the
     base's corpus; kept, they were read as the new source type (a .txt eval file parsed as jsonl: 'not valid
@@ -105,3 +105,27 @@ def test_focus_scratch_dense_refuses_routing_arguments():
         load_experiment("focus_scratch", "runlocal,attn=dense,groups=8")
     assert load_experiment("focus_scratch", "runlocal,attn=dense").model.attn.kind == "dense"
     assert load_experiment("focus_scratch", "runlocal,groups=8").model.attn.focus_groups == 8
+
+
+@pytest.mark.parametrize("name, arg, head_dim, tau_range", [
+    ("focal_scaling", "variant=learned", 128, (5.0, 10.0)),
+    ("focal_token_scaling", "variant=learned", 128, (5.0, 10.0)),
+    ("focal_temperature_ablation", "learned,tau_min=3", 128, (3.0, 10.0)),
+    ("quickstart", "attn=learned", 32, (2.5, 5.0)),
+    ("focal_scaling", "runlocal,variant=learned", 16, (5.0 / 8**0.5, 10.0 / 8**0.5)),
+    ("focal_temperature_ablation", "runlocal,learned,tau_min=3", 16, (3.0 / 8**0.5, 10.0 / 8**0.5)),
+    ("quickstart", "runlocal,attn=learned", 16, (2.5 / 2**0.5, 5.0 / 2**0.5))])
+def test_the_learned_temperature_range_follows_the_head_dim(name, arg, head_dim, tau_range):
+    """The learned temperature replaces sqrt(head_dim), so the paper's [5, 10] (head_dim 128) is rescaled by
+    sqrt(head_dim / 128) elsewhere (FOCAL_SPEC.md OQ-F6): the quickstart's head_dim 32 took [5, 10], a temperature
+    1.25 to 2.5 times sqrt(32), softer than its baseline's."""
+    from focal_jax.train.config import check_config
+    attention = check_config(load_experiment(name, arg)).model.attention
+    assert (attention.kind, attention.head_dim) == ("focal_learned", head_dim)
+    assert (attention.tau_min, attention.tau_max) == pytest.approx(tau_range, rel=1e-12)
+
+
+def test_focal_variant_refuses_an_unknown_name():
+    assert common.focal_variant("focal", head_dim=32) == {"kind": "focal", "focal_t": 0.4}
+    with pytest.raises(ValueError, match=r"config argument variant='sharp' is not one of \('baseline', 'focal', "):
+        common.focal_variant("sharp")

@@ -1636,11 +1636,26 @@ def check_focus_window_baseline(built):
     assert any(run.total_steps == 0 and "hf" in args for args, _, run in built)
 
 
+def check_lora_baseline(built):
+    """Table 3's ranks on GPT-2 / PG-19 and Table 4's LRs on Mistral-7B-Instruct (2000 steps), read from the corpus
+    (the lines had no data= argument: the builtin corpus)."""
+    settings = set()
+    for args, _, run in built:
+        (lora,) = run.retrofit
+        assert (run.optim.trainable, run.data.seq_len, lora.alpha) == ("lora", 1024, 2.0 * lora.rank)
+        assert (run.optim.lr, run.total_steps) == (float(args.get("lr", 1e-4)), int(args.get("steps", 4000)))
+        if args.get("hf"):
+            assert args.get("data") == "/data/pg19/train/*.txt", args
+            settings.add((os.path.basename(args["hf"]), lora.rank, run.optim.lr, run.total_steps))
+    assert settings == {("gpt2", 4, 1e-4, 4000), ("gpt2", 16, 1e-4, 4000)} | {
+        ("Mistral-7B-Instruct-v0.2", 4, lr, 2000) for lr in (1e-5, 5e-5, 1e-4)}
+
+
 PAPER_CHECKS = {"focal_scaling": check_focal_scaling, "focal_token_scaling": check_focal_token_scaling,
                 "focal_temperature_ablation": check_focal_temperature_ablation, "focal_adapt": check_focal_adapt,
                 "focal_long_context": check_focal_long_context, "focus_retrofit": check_focus_retrofit,
                 "focus_finetune": check_focus_finetune, "focus_scratch": check_focus_scratch,
-                "focus_window_baseline": check_focus_window_baseline}
+                "focus_window_baseline": check_focus_window_baseline, "lora_baseline": check_lora_baseline}
 
 
 def test_docstring_launch_lines_build_the_papers_configs(runs):
