@@ -11,7 +11,7 @@ import os
 import ml_collections
 
 from focal_jax.nn.llama import FOCAL_SIZES
-from focal_jax.train.config import default_config, task_kwargs_dict
+from focal_jax.train.config import built_model_section, default_config, task_kwargs_dict
 
 # Peak learning rates of the Focal paper's sizes (FOCAL_SPEC.md section 3.1, Table 4).
 FOCAL_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7B": 4e-4, "9.5B": 4e-4}
@@ -38,6 +38,7 @@ def rescaled_tau_range(attn: dict, from_head_dim: int, to_head_dim: int) -> dict
     factor = math.sqrt(to_head_dim / from_head_dim)
     return {key: value * factor if key in ("tau_min", "tau_max") and attn.get("kind") == "focal_learned" else value
             for key, value in attn.items()}
+
 
 # The Focal paper's batches in tokens (FOCAL_SPEC.md sections 3.1 and 3.3): "0.26M" = 2^18 = 128 x 2048 and
 # "2.1M" = 2^21 = 1024 x 2048.
@@ -99,10 +100,12 @@ def focal_pretraining(size: str, attn: dict, *, seq_len: int = 2048, batch_token
     """The Focal paper's pretraining run (FOCAL_SPEC.md section 3.1): the model of `size` (Table 3) with attention
     settings `attn`, `batch_tokens` per step in `seq_len`-token sequences, `steps` steps at the size's peak LR
     (Table 4) unless `lr` is given, the recipe of `base_config`, a 32000-piece tokenizer (the paper's LLaMA
-    tokenizer has 32000; we train a BPE of that size on the corpus unless `--config.data.tokenizer` is set)."""
+    tokenizer has 32000; we train a BPE of that size on the corpus unless `--config.data.tokenizer` is set), and
+    FOCAL_SPEC.md section 2's choices where the paper is silent: RMSNorm eps 1e-5, weights drawn from N(0, 0.02^2)
+    (`LlamaConfig.init_std`)."""
     check_choice("size", size, FOCAL_LR)
     config = base_config()
-    config.model = {"family": "llama", "size": size, "attn": dict(attn)}
+    config.model = {"family": "llama", "size": size, "attn": dict(attn), "norm_eps": 1e-5, "init_std": 0.02}
     config.data.update(source="builtin", vocab_size=32000, seq_len=seq_len)
     config.batch_size = batch_size(batch_tokens, seq_len)
     config.total_steps = steps
@@ -144,6 +147,12 @@ def check_base_kind(init_from: str, kinds: tuple, argument: str) -> dict:
         raise ValueError(f"init_from={init_from!r} is a {model.get('family', 'llama')} run with attention "
                          f"kind={kind!r}, but {argument} starts from a LLaMA run with kind in {kinds}")
     return model
+
+
+def norm_eps_of(model: dict) -> float:
+    """The RMSNorm eps of a stored model section (a run that continues it must keep it: runs of `focal_pretraining`
+    stored before 0.6.22 have `focal_config`'s 1e-6)."""
+    return built_model_section(model)["norm_eps"]
 
 
 def start_from(config: ml_collections.ConfigDict, *, init_from: str, hf: str, experiment: str) -> dict | None:
@@ -240,19 +249,21 @@ def llama_head_dim(model: dict) -> int:
     (`focal_jax.nn.llama.FOCAL_SIZES`) or `d_model // n_heads`."""
     if model.get("head_dim"):
         return model["head_dim"]
-    d_model, _, n_heads, _ = FOCAL_SIZES[model["size"]] if "size" in model else (model["d_model"], 0,
-                                                                                 model["n_heads"], 0)
+    if "size" in model:
+        d_model, _, n_heads, _ = FOCAL_SIZES[model["size"]]
+    else:
+        d_model, n_heads = model["d_model"], model["n_heads"]
     return d_model // n_heads
 
 
 def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict | None = None
              ) -> ml_collections.ConfigDict:
-    """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings and the
-    RoPE theta; a learned temperature's range rescaled to its head_dim 16, FOCAL_SPEC.md OQ-F6) or a tiny GPT-2, or
-    `model` if given (the model section of a run that starts from another run: that run's model), short sequences,
-    small batches, float32, frequent logs and checkpoints. A Focus window (of a retrofit or of the model's
-    attention) and a retrofit's sliding window (`retrofit.window`) shrink to 16 so that the 64-token sequences reach
-    past them."""
+    """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings, the
+    RoPE theta, norm eps and init std; a learned temperature's range rescaled to its head_dim 16, FOCAL_SPEC.md
+    OQ-F6) or a tiny GPT-2, or `model` if given (the model section of a run that starts from another run: that
+    run's model), short sequences, small batches, float32, frequent logs and checkpoints. A Focus window (of a
+    retrofit or of the model's attention) and a retrofit's sliding window (`retrofit.window`) shrink to 16 so that
+    the 64-token sequences reach past them."""
     if model is None:
         model = config.model.to_dict()
         if model.get("family", "llama") == "llama":
@@ -261,7 +272,7 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict 
             if "focus_window" in attn:
                 attn["focus_window"] = min(attn["focus_window"], 16)
             model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": attn,
-                     **({"rope_theta": model["rope_theta"]} if "rope_theta" in model else {})}
+                     **{key: model[key] for key in ("rope_theta", "norm_eps", "init_std") if key in model}}
         elif model["family"] == "gpt2":
             model.update(vocab_size=512, n_positions=128, d_model=64, n_layers=2, n_heads=4)
     config.model = ml_collections.ConfigDict(model)

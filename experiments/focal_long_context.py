@@ -60,10 +60,12 @@ def get_config(arg=None):
                          "/runs/focal_tokens/focal)")
     common.check_choice("variant", arg.variant, ("baseline", "focal"))
     # The base run's own variant: a baseline extended as 'focal' (or the reverse) would change its attention too.
-    common.check_base_kind(arg.init_from, (common.FOCAL_VARIANTS[arg.variant]["kind"],), f"variant={arg.variant}")
+    base_model = common.check_base_kind(arg.init_from, (common.FOCAL_VARIANTS[arg.variant]["kind"],),
+                                        f"variant={arg.variant}")
     attn = {**common.FOCAL_VARIANTS[arg.variant], "impl": arg.impl}
     config = common.focal_pretraining("2.7B", attn, seq_len=32768, batch_tokens=common.FOCAL_LARGE_BATCH_TOKENS,
                                       steps=2385, lr=2e-5)
+    config.model.norm_eps = common.norm_eps_of(base_model)
     config.model.update(rope_theta=500_000.0, remat=True)
     config.init_from = arg.init_from
     config.data.tokenizer = common.run_tokenizer(arg.init_from)

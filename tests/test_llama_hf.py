@@ -599,6 +599,37 @@ def test_paper_sizes(size):
     assert abs(count - named) / named < (0.036 if size == "1.3B" else 0.03), (size, count)
 
 
+def test_init_std_draws_every_projection_and_the_embeddings_from_one_normal():
+    """`init_std` (FOCAL_SPEC section 2's choice, 0.02, which the Focal experiments set): every kernel of the
+    projections, the embedding table and lm_head ~ N(0, init_std^2); norm gains, Centroids (W_g, C) and the learned
+    temperature's parameters as without it. Flax's own initialisers give an embedding table of std 1/sqrt(d)."""
+    config = focal_config("tiny", vocab_size=4000, attn=dict(kind="focal_learned", tau_min=1.0, tau_max=2.0))
+    plain = nnx.to_flat_state(nnx.state(Llama(config, rngs=nnx.Rngs(0)), nnx.Param))
+    drawn = dict(nnx.to_flat_state(nnx.state(Llama(dataclasses.replace(config, init_std=0.02),
+                                                   rngs=nnx.Rngs(0)), nnx.Param)))
+    redrawn = 0
+    for path, param in plain:
+        name = "/".join(map(str, path))
+        before, after = np.asarray(param.get_value()), np.asarray(drawn[path].get_value())
+        if type(param) is nnx.Param and name.endswith(("kernel", "embedding")):
+            assert abs(after.std() / 0.02 - 1) < 0.1 and abs(after.mean()) < 0.005, (name, after.std())
+            assert not np.array_equal(after, before), name
+            redrawn += 1
+        else:  # norms, w_tau, tau_bias
+            np.testing.assert_array_equal(after, before, err_msg=name)
+    assert redrawn == 2 + 2 * 7  # embeddings, lm_head, and per layer q, k, v, o, gate, up, down
+    assert abs(np.asarray(dict(plain)[("embed_tokens", "embedding")].get_value()).std() * 8 - 1) < 0.05
+    focus = focal_config("tiny", attn=dict(kind="focus", focus_groups=4, focus_window=4))
+    centroids = [nnx.to_flat_state(nnx.state(Llama(c, rngs=nnx.Rngs(1)), Centroid))
+                 for c in (focus, dataclasses.replace(focus, init_std=0.02))]
+    for (path, a), (_, b) in zip(*centroids):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(path))
+    for bad in (0.0, -0.02, float("inf"), float("nan"), True, "0.02"):
+        with pytest.raises(ValueError, match=re.escape(f"init_std must be None or a finite number > 0, got "
+                                                       f"init_std={bad!r}")):
+            dataclasses.replace(config, init_std=bad)
+
+
 def test_tiny_size_runs():
     model = Llama(focal_config("tiny", attn=dict(kind="focal")), rngs=nnx.Rngs(0))
     logits = model(jnp.zeros((1, 8), jnp.int32))

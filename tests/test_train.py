@@ -1072,6 +1072,30 @@ def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_di
         assert changed == ("q_proj" in path), path
 
 
+def test_init_std_may_change_on_resume_unless_frozen_parameters_are_seed_draws(tmp_path, cache_dir):
+    """Every checkpoint holds every parameter, so `model.init_std` may change on resume (a Focal paper run started
+    before 0.6.22, stored without it, resumes under the experiment's 0.02); a run from scratch stored before 0.6.9
+    keeps its frozen parameters as its seed draws them, so there a change is refused."""
+    config = tiny(cache_dir, total_steps=2)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(config, straight)
+    train(config, resumed, stop_after=1)
+    changed = config.copy_and_resolve_references()
+    changed.model.init_std = 0.02
+    train(changed, resumed)
+    assert losses(resumed) == losses(straight) and sorted(losses(straight)) == [1, 2]
+    config.optim.trainable_regex = changed.optim.trainable_regex = "q_proj"
+    old = str(tmp_path / "old")
+    with pytest.MonkeyPatch.context() as patch:  # as before 0.6.9: the trainable parameters only
+        patch.setattr(trainer, "merge_params", lambda trainable, frozen: trainable)
+        train(config, old, stop_after=1)
+    with pytest.raises(ConfigError, match=r"model.init_std=0.02 differs from the stored run's None: that run, "
+                                          r"stored before 0.6.9, keeps its frozen parameters as its seed draws"):
+        train(changed, old)
+    train(config, old)
+    assert latest_step(old) == 2
+
+
 def test_throughput_leaves_evaluation_out(tmp_path, cache_dir, monkeypatch):
     """tokens_per_s (and mfu) count training time only: an evaluation between two logged steps (here 1000 s of a
     fake clock that otherwise ticks 1 s per reading) used to be charged to the next interval."""
@@ -1494,11 +1518,12 @@ def arg_dict(arg: str) -> dict:
     return {k: (v if _ else True) for k, _, v in (item.partition("=") for item in filter(None, arg.split(",")))}
 
 
-def check_focal_model(run, size):
+def check_focal_model(run, size, *, norm_eps=1e-5):
     hidden, intermediate, heads, layers = FOCAL_TABLE_3[size]
     m = run.model
     assert (m.d_model, m.intermediate, m.n_heads, m.n_layers) == (hidden, intermediate, heads, layers), size
     assert (m.vocab_size, m.attention.head_dim, m.n_kv_heads, m.tie_embeddings) == (32000, 128, heads, False)
+    assert (m.norm_eps, m.init_std) == (norm_eps, 0.02)  # FOCAL_SPEC section 2's choices where the paper is silent
     o = run.optim
     assert (o.b1, o.b2, o.weight_decay, o.clip, run.data.vocab_size) == (0.9, 0.95, 0.05, 1.0, 32000)
 
@@ -1562,7 +1587,7 @@ def check_focal_temperature_ablation(built):
 
 def check_focal_adapt(built):
     for args, _, run in built:
-        check_focal_model(run, "2.7B")
+        check_focal_model(run, "2.7B", norm_eps=1e-6)  # the base run's (the local base runs have 1e-6)
         assert run.init_from and run.optim.trainable == "all"
         assert (run.optim.lr, run.total_steps, run.batch_size * run.data.seq_len) == (5e-5, 5000, 262_144)
         assert (run.optim.warmup_steps, run.optim.final_lr_fraction) == (100, 1.0)
@@ -1573,7 +1598,7 @@ def check_focal_adapt(built):
 
 def check_focal_long_context(built):
     for args, _, run in built:
-        check_focal_model(run, "2.7B")
+        check_focal_model(run, "2.7B", norm_eps=1e-6)  # the base run's (the local base runs have 1e-6)
         check_variant(run, args["variant"])
         assert run.init_from and (run.data.seq_len, run.batch_size, run.model.rope_theta) == (32768, 64, 500_000)
         assert abs(run.total_steps * run.batch_size * run.data.seq_len / 5e9 - 1) < 0.01  # 5B tokens

@@ -7,6 +7,7 @@ Pre-norm blocks `h = x + attn(norm(x)); h = h + mlp(norm(h))`, or OLMo-2's post-
 """
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -34,6 +35,10 @@ class LlamaConfig:
     attn: extra `AttentionConfig` fields, e.g. `{'kind': 'focal', 'focal_t': 0.4}` (the shape fields are derived
       from this config and may not be given). Kept as a sorted tuple of (key, value) pairs.
     remat: recompute each decoder block in the backward pass instead of keeping its activations (training memory).
+    init_std: None: Flax's initialisers (truncated LeCun normal kernels, an embedding table of std 1/sqrt(d_model));
+      a number: every projection kernel, the embedding table and `lm_head` drawn from N(0, init_std^2) (LLaMA's
+      0.02, which the Focal paper's experiments set). Norm gains start at 1, biases at 0, and the Focus / Focal
+      parameters (`Centroid`, `Temperature`) as their modules draw them, either way.
     """
 
     vocab_size: int
@@ -51,6 +56,7 @@ class LlamaConfig:
     post_norm: bool = False
     attn: Mapping[str, Any] | tuple = ()
     remat: bool = False
+    init_std: float | None = None
 
     def __post_init__(self):
         plain_numbers(self)
@@ -66,6 +72,9 @@ class LlamaConfig:
         for name in ("tie_embeddings", "post_norm", "remat"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+        std = self.init_std
+        if std is not None and (isinstance(std, bool) or not isinstance(std, (int, float)) or not 0 < std < math.inf):
+            raise ValueError(f"init_std must be None or a finite number > 0, got init_std={self.init_std!r}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"head_dim=None needs n_heads={self.n_heads} to divide d_model={self.d_model}")
         fields = {f.name for f in dataclasses.fields(AttentionConfig)}
@@ -125,6 +134,17 @@ def segment_positions(segment_ids):
     return jax.vmap(lambda x, ids: segment_prefix(x, ids, "sum"))(ones, segment_ids)[..., 0] - 1
 
 
+def redraw_normal(module, std: float, rngs: nnx.Rngs):
+    """Redraw, in place, the kernel of every `nnx.Linear` and the table of every `nnx.Embed` in `module` from
+    N(0, std^2), in its dtype. Only plain `nnx.Param`s: a `Centroid` or `Temperature` keeps its own draw."""
+    for _, node in nnx.iter_graph(module):
+        variable = (node.kernel if isinstance(node, nnx.Linear) else node.embedding if isinstance(node, nnx.Embed)
+                    else None)
+        if type(variable) is nnx.Param:
+            value = variable.get_value()
+            variable.set_value(std * jax.random.normal(rngs.params(), value.shape, value.dtype))
+
+
 class Llama(nnx.Module):
     """`model(tokens [B, T], positions=None, segment_ids=None) -> float32 logits [B, T, vocab]`.
 
@@ -138,6 +158,8 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        if config.init_std is not None:
+            redraw_normal(self, config.init_std, rngs)
 
     @explicit_as_auto(model_output_spec)
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
@@ -200,7 +222,8 @@ FOCAL_SIZES = {
 def focal_config(size: str, **overrides) -> LlamaConfig:
     """The Focal paper's model of `size` (a key of `FOCAL_SIZES`), with any `LlamaConfig` field overridden, e.g.
     `focal_config('400M', attn={'kind': 'focal', 'focal_t': 0.4})`. 'tiny' uses a 1000-token vocabulary and
-    head_dim 16."""
+    head_dim 16. RMSNorm eps 1e-6 and Flax's initialisers unless overridden (runs stored with a `size` build from
+    these); the experiments' pretraining runs set FOCAL_SPEC's `norm_eps=1e-5, init_std=0.02`."""
     if size not in FOCAL_SIZES:
         raise ValueError(f"size={size!r} is not one of {tuple(FOCAL_SIZES)}")
     d, inter, heads, layers = FOCAL_SIZES[size]

@@ -30,7 +30,7 @@ from focal_jax.nn.retrofit import NEW_TYPES, retrofit
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
                                     check_data_fields, check_data_files, check_routing_trains, check_windows,
-                                    config_differences, warmup_note, with_defaults)
+                                    built_model_section, config_differences, warmup_note, with_defaults)
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
@@ -391,6 +391,16 @@ def warn_if_schedule_changed(stored_config: dict, run: RunConfig, step: int):
             f"set --config.optim.decay_steps={stored_optim.decay_steps or stored_total}")
 
 
+def check_seed_draws(stored_config: dict, run: RunConfig):
+    """ConfigError when `run` resumes a run from scratch stored before 0.6.9 (its frozen parameters are not in its
+    checkpoints but drawn from its seed) with another `model.init_std`, which would draw them differently."""
+    stored, now = built_model_section(stored_config["model"]).get("init_std"), getattr(run.model, "init_std", None)
+    if stored != now:
+        raise ConfigError(f"model.init_std={now} differs from the stored run's {stored}: that run, "
+                          f"stored before 0.6.9, keeps its frozen parameters as its seed draws them, so they must be "
+                          f"drawn alike (give model.init_std as stored, in a config file for None)")
+
+
 def data_fingerprint(data) -> dict | None:
     """What identifies a run's in-memory training data (its data state is only the next batch's index, so a resumed
     run must build the same rows); None when streaming (the stream's data state holds a digest of its files)."""
@@ -612,6 +622,8 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         # seed's; since, all of them, so a checkpoint with any frozen parameter must hold them all)
         saved = checkpoint.saved_param_paths(workdir, resume_step)
         with_frozen = not run.init_from and bool(set(param_paths(frozen)) & set(saved))
+        if not run.init_from and not with_frozen and jax.tree.leaves(frozen):
+            check_seed_draws(stored["config"], run)
         check_resumable(workdir, resume_step, saved, merge_params(trainable, frozen) if with_frozen else trainable)
         params, opt_state, data_state, _ = checkpoint.restore(
             manager, resume_step, params=merge_params(trainable, frozen) if with_frozen else trainable,
