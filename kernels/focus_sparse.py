@@ -1174,8 +1174,9 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         raise ValueError(f"backend='interpret' (the default off GPUs and TPUs) cannot run inside a jax.shard_map that "
                          f"checks varying axes (check_vma=True, its default; the inputs vary over "
                          f"{sorted(varying_axes(q, k, v, membership))}): jax's Pallas interpreter slices them with "
-                         f"indices that do not vary. Use impl='decomposed', focus_sparse_pallas(..., backend='mosaic_interpret') "
-                         f"(focal_jax.kernels.focus_sparse), or jax.shard_map(..., check_vma=False)")
+                         f"indices that do not vary. Use impl='decomposed', focus_sparse_pallas(..., "
+                         f"backend='mosaic_interpret') (focal_jax.kernels.focus_sparse), or jax.shard_map(..., "
+                         f"check_vma=False)")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got num_warps={num_warps!r}")
     if num_stages is not None and (not isinstance(num_stages, int) or num_stages < 1):
