@@ -28,10 +28,12 @@ def test_a_sequence_length_below_one_is_named(seq_len):
 
 
 @pytest.mark.parametrize("local", ["", "runlocal,"])
-def test_focus_sparse_from_a_run_reads_with_that_runs_tokenizer(tmp_path, local):
+def test_focus_sparse_from_a_run_reads_with_that_runs_tokenizer(tmp_path, monkeypatch, local):
     """A run that starts from another one's weights must tokenize as that run did (its workdir copy), as every
     other experiment with init_from does; a trained tokenizer of its own gives the token ids another meaning."""
     (tmp_path / "tokenizer.model").write_bytes(b"")
+    monkeypatch.setattr(common, "base_run", lambda workdir: {"model": {
+        "family": "llama", "size": "tiny", "attn": {"kind": "focus", "focus_groups": 4, "focus_window": 8}}})
     config = load_experiment("focus_sparse", f"{local}init_from={tmp_path}")
     assert config.init_from == str(tmp_path)
     assert config.data.tokenizer == str(tmp_path / "tokenizer.model")

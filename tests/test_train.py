@@ -1711,6 +1711,30 @@ def test_docstring_launch_lines_build_the_papers_configs(runs):
         check(built[name])
 
 
+def test_focus_sparse_from_a_soft_gate_focus_run_is_that_model_made_hard(tmp_path, cache_dir, runs):
+    """focus_sparse's init_from was loaded into its own model (the 400M, K = 8, causal routing): a K = 4 run of
+    focus_scratch failed on the centroids' shapes, and one of K = 8 would be routed causally after training
+    non-causally. It is now that run's model with hard top-k routing through the kernels; a run of another
+    attention kind is refused by name."""
+    soft = str(tmp_path / "soft")
+    config = load_experiment("focus_scratch", "runlocal")
+    config.data.cache_dir = cache_dir
+    config.update(total_steps=1, batch_size=8, eval_batches=0)
+    train(config, soft)
+    hard = load_experiment("focus_sparse", f"runlocal,init_from={soft}")
+    hard.update(total_steps=1, batch_size=8, eval_batches=0)
+    routing = check_config(config).model.attention
+    attention = check_config(hard).model.attention
+    assert (attention.kind, attention.impl, attention.focus_topk) == ("focus", "pallas", 1)
+    assert (attention.focus_groups, attention.focus_causal) == (4, False)
+    assert dataclasses.replace(attention, impl=routing.impl, focus_topk=None) == routing
+    train(hard, str(tmp_path / "hard"))
+    assert np.isfinite(losses(str(tmp_path / "hard"))[1])
+    with pytest.raises(ValueError, match=r"kind='dense', but focus_sparse \(routing by a soft-gate Focus run's "
+                                         r"centroids\) starts from a LLaMA run with kind in \('focus', 'focal\+focus'\)"):
+        load_experiment("focus_sparse", f"init_from={runs['dense']}")
+
+
 def test_misspelt_experiment_argument_names_the_known_ones():
     for name in EXPERIMENTS:
         with pytest.raises(ValueError, match="unknown config argument 'sise'; known: ") as error:
