@@ -1731,7 +1731,8 @@ def test_focus_sparse_from_a_soft_gate_focus_run_is_that_model_made_hard(tmp_pat
     train(hard, str(tmp_path / "hard"))
     assert np.isfinite(losses(str(tmp_path / "hard"))[1])
     with pytest.raises(ValueError, match=r"kind='dense', but focus_sparse \(routing by a soft-gate Focus run's "
-                                         r"centroids\) starts from a LLaMA run with kind in \('focus', 'focal\+focus'\)"):
+                                         r"centroids\) starts from a LLaMA run with kind in "
+                                         r"\('focus', 'focal\+focus'\)"):
         load_experiment("focus_sparse", f"init_from={runs['dense']}")
 
 
