@@ -294,11 +294,11 @@ def _train_step_and_args(model, optim, batch_size: int, seq_len: int, compute_dt
     import numpy as np
 
     from focal_jax.train.optimizer import make_optimizer, split_trainable
-    from focal_jax.train.trainer import make_steps
+    from focal_jax.train.trainer import make_steps, routing_param_paths
 
     graphdef, trainable, frozen = split_trainable(model, optim)
     tx = make_optimizer(optim, total_steps=100)
-    step = make_steps(graphdef, tx, compute_dtype)[0]
+    step = make_steps(graphdef, tx, compute_dtype, keep_float32=routing_param_paths(model))[0]
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, model.config.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],

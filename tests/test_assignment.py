@@ -18,7 +18,7 @@ from focal_jax.train import train
 from focal_jax.train.config import config_differences
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, make_optimizer, split_trainable
-from focal_jax.train.trainer import balance_loss, group_counts, make_steps, real_token_mask
+from focal_jax.train.trainer import balance_loss, group_counts, make_steps, real_token_mask, routing_param_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,6 +141,36 @@ def test_balance_weight_enters_the_gradient_not_the_logged_loss():
     for name in ("loss", "balance_loss"):
         np.testing.assert_allclose(metrics[1.0][name], metrics[1e-6][name], rtol=1e-6, err_msg=name)
     assert abs(float(metrics[1.0]["grad_norm"]) - float(metrics[1e-6]["grad_norm"])) > 1e-4
+
+
+def test_bf16_steps_keep_the_routing_and_temperature_parameters_in_float32(monkeypatch):
+    """With bf16 compute the step cast every parameter to bf16, W_g, C, w_tau and tau_bias too: their products are
+    float32 (`routing_scores`, `learned_temperature`), but from bf16-rounded values (routing scores up to 0.036
+    off, tau up to 0.28%). They stay float32 now; the activations they multiply, and the other weights, are bf16."""
+    from focal_jax import attention as fa
+    seen = []
+    routing_scores, learned_temperature = fa.routing_scores, fa.learned_temperature
+    monkeypatch.setattr(fa, "routing_scores", lambda h, w_g, c, **kw: seen.append(
+        ("routing", h.dtype, w_g.dtype, c.dtype)) or routing_scores(h, w_g, c, **kw))
+    monkeypatch.setattr(fa, "learned_temperature", lambda x, w, **kw: seen.append(
+        ("tau", x.dtype, w.dtype, kw["bias"].dtype)) or learned_temperature(x, w, **kw))
+    b, t = 2, 16
+    tokens = jax.random.randint(jax.random.key(0), (b, t + 1), 0, 64)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.tile(jnp.arange(t), (b, 1)),
+             "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.float32)}
+    focus = retrofit(_llama(), FocusConfig(groups=4, dim=8, window=4))
+    for model, keep in [(focus, True), (_llama(kind="focal_learned"), True), (focus, False)]:
+        optim = OptimConfig(trainable="all", warmup_steps=0)
+        graphdef, trainable, frozen = split_trainable(model, optim)
+        tx = make_optimizer(optim, 10)
+        kept = routing_param_paths(model) if keep else frozenset()
+        assert len(kept) == (2 * len(model.layers) if keep else 0)
+        train_step, _ = make_steps(graphdef, tx, jnp.bfloat16, keep_float32=kept)
+        seen.clear()
+        metrics = jax.jit(train_step)(trainable, tx.init(trainable), frozen, batch)[2]
+        assert np.isfinite(float(metrics["loss"])) and len(seen) == len(model.layers)
+        weights = jnp.dtype(jnp.float32 if keep else jnp.bfloat16)
+        assert {entry[1:] for entry in seen} == {(jnp.dtype(jnp.bfloat16), weights, weights)}, seen
 
 
 def test_padding_is_left_out_of_the_group_counts():

@@ -446,15 +446,18 @@ def test_batches_split_over_data_and_fsdp():
 
 def test_evaluate_weights_batches_by_their_targets():
     """The held-out loss is the mean over all target tokens (a batch with few targets weighs little), not the mean
-    of the batches' means; dominance sums each layer's group counts over the batches first, then takes the mean
-    (and max) over the layers. (A stand-in eval_step: the nll sum and target count of the batch, given counts.)"""
+    of the batches' means; dominance and the learned temperature's statistics sum each layer's counts over the
+    batches first, then take the mean (and max) over the layers. (A stand-in eval_step: the nll sum and target count
+    of the batch, given counts and tau sums.)"""
     full, sparse = np.ones((8, 4), np.float32), np.zeros((8, 4), np.float32)
     sparse[:, 0] = 1  # 8 targets
     batches = [{"nll": 1.0 * full, "mask": full}, {"nll": 4.0 * sparse, "mask": sparse}]
     counts = iter([np.array([[3, 1], [2, 2]]), np.array([[0, 4], [2, 2]])])  # [layers, groups] of each batch
+    # [layers, (tau sum, at tau_min, at tau_max, real tokens)] of each batch
+    taus = iter([np.array([[60.0, 2, 0, 8], [40.0, 0, 0, 8]]), np.array([[16.0, 0, 1, 2], [10.0, 1, 1, 2]])])
 
     def eval_step(trainable, frozen, batch):
-        return jnp.sum(batch["nll"] * batch["mask"]), jnp.sum(batch["mask"]), next(counts)
+        return jnp.sum(batch["nll"] * batch["mask"]), jnp.sum(batch["mask"]), next(counts), next(taus)
 
     result = trainer.evaluate(eval_step, None, None, batches, make_mesh({"data": -1}))
     assert result["tokens"] == 40.0
@@ -462,6 +465,10 @@ def test_evaluate_weights_batches_by_their_targets():
     np.testing.assert_allclose(result["perplexity"], math.exp(1.6), rtol=1e-6)
     # layer 0: [3, 5] -> 5/8 (not the batches' mean (3/4 + 1) / 2), layer 1: [4, 4] -> 1/2
     np.testing.assert_allclose([result["dominance"], result["dominance_max"]], [(5 / 8 + 1 / 2) / 2, 5 / 8])
+    # tau per layer over the real tokens of both batches: 76 / 10 and 50 / 10; clipped 3 / 10 and 2 / 10
+    np.testing.assert_allclose([result["tau/layer_0"], result["tau/layer_1"], result["tau"]], [7.6, 5.0, 6.3])
+    np.testing.assert_allclose([result["tau_clipped/layer_0"], result["tau_clipped/layer_1"],
+                                result["tau_clipped"]], [0.3, 0.2, 0.25])
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -1094,6 +1101,40 @@ def test_init_std_may_change_on_resume_unless_frozen_parameters_are_seed_draws(t
         train(changed, old)
     train(config, old)
     assert latest_step(old) == 2
+
+
+def test_a_bf16_run_keeps_the_learned_temperature_parameters_in_float32(tmp_path, cache_dir, monkeypatch):
+    """The trainer passes `routing_param_paths` to its steps: with compute_dtype bfloat16, w_tau and tau_bias reach
+    `learned_temperature` in float32 (they were rounded to bf16 with the other weights), the activations in bf16."""
+    from focal_jax import attention as fa
+    seen = set()
+    learned_temperature = fa.learned_temperature
+    monkeypatch.setattr(fa, "learned_temperature", lambda x, w, **kw: seen.add(
+        (str(x.dtype), str(w.dtype), str(kw["bias"].dtype))) or learned_temperature(x, w, **kw))
+    config = tiny(cache_dir, total_steps=1, compute_dtype="bfloat16")
+    config.model.attn = {"kind": "focal_learned", "tau_min": 1.8, "tau_max": 3.5}
+    train(config, str(tmp_path / "run"))
+    assert seen == {("bfloat16", "float32", "float32")}
+
+
+def test_eval_records_log_the_learned_temperature(tmp_path, cache_dir):
+    """FOCAL_SPEC OQ-F4: log per-layer tau and the share of clipped values. At initialisation w_tau = 0 and the
+    bias sits at the middle of [tau_min, tau_max], so every real token's tau is that middle and none is clipped;
+    `tau_sums` counts the real tokens at either end of the clip."""
+    config = tiny(cache_dir, total_steps=0, eval_batches=1)
+    config.model.attn = {"kind": "focal_learned", "tau_min": 1.8, "tau_max": 3.5}
+    train(config, str(tmp_path / "run"))
+    (record,) = read_metrics(str(tmp_path / "run"), kind="eval")
+    layers = len(init_model(check_config(config)).layers)
+    for name in ["tau"] + [f"tau/layer_{i}" for i in range(layers)]:
+        np.testing.assert_allclose(record[name], 2.65, rtol=1e-6, err_msg=name)
+    assert record["tau_clipped"] == 0 and f"tau/layer_{layers}" not in record
+    attention = check_config(config).model.attention
+    tau = jnp.array([[1.8, 2.0, 3.5, 3.5], [1.0, 3.0, 9.0, 2.0]])
+    valid = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]])
+    sums = trainer.tau_sums([{"x": None}, {"tau": tau, "config": attention}], valid)
+    np.testing.assert_allclose(sums, [[1.8 + 2.0 + 3.5 + 1.0 + 3.0 + 9.0 + 2.0, 2, 2, 7]], rtol=1e-6)
+    assert trainer.tau_sums([{"g": None}], valid) is None
 
 
 def test_throughput_leaves_evaluation_out(tmp_path, cache_dir, monkeypatch):

@@ -48,7 +48,8 @@ def record_attention():
         used (with one-hot values `v [B, T, Hk, T]` it returns the attention probabilities `[B, T, H, T]`);
       x `[B, T, d_model]` (the layer input), q `[B, T, H, D]`, k, v `[B, T, Hk, D]` (after QK-norm and RoPE),
       segment_ids `[B, T]` or None;
-      g `[B, T, K]` (the Sinkhorn assignment), for the Focus kinds only.
+      g `[B, T, K]` (the Sinkhorn assignment), for the Focus kinds only;
+      tau `[B, T]` (the learned temperature), for 'focal_learned' only.
     The values belong to the current trace: under `jax.jit`, use them inside the jitted function; call the model
     without rematerialisation (`remat=False`), whose blocks run in an inner trace. Outside the context nothing is
     recorded and the computation is unchanged.
@@ -467,6 +468,8 @@ class Attention(nnx.Module):
         if c.kind == "focal_learned":
             tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode=c.tau_mode,
                                          bias=self.tau_bias[...], segment_ids=segment_ids)
+            if record is not None:
+                record["tau"] = tau
             if c.impl == "pallas":
                 multiplier = jnp.broadcast_to(1.0 / tau[:, :, None], q.shape[:3])
                 return dot_product_pallas(q, k, v, multiplier=multiplier, window=c.window, segment_ids=segment_ids,

@@ -37,8 +37,8 @@ class LlamaConfig:
     remat: recompute each decoder block in the backward pass instead of keeping its activations (training memory).
     init_std: None: Flax's initialisers (truncated LeCun normal kernels, an embedding table of std 1/sqrt(d_model));
       a number: every projection kernel, the embedding table and `lm_head` drawn from N(0, init_std^2) (LLaMA's
-      0.02, which the Focal paper's experiments set). Norm gains start at 1, biases at 0, and the Focus / Focal
-      parameters (`Centroid`, `Temperature`) as their modules draw them, either way.
+      0.02, FOCAL_SPEC's choice, which our Focal paper experiments set). Norm gains start at 1, biases at 0, and
+      the Focus / Focal parameters (`Centroid`, `Temperature`) as their modules draw them, either way.
     """
 
     vocab_size: int

@@ -1,10 +1,10 @@
 """The Focal paper's optimizer recipe and trainable-parameter selection.
 
-AdamW (b1 0.9, b2 0.95, weight decay 0.05, none on norms and biases), global-norm clipping at 1.0, linear warmup then
-cosine decay to 10% of the peak (FOCAL_SPEC.md section 3.1). Trainable parameters are chosen by parameter type
-(`Centroid` for a Focus retrofit, `LoRA` for the LoRA baseline, every `nnx.Param` for full training) and optionally by
-a regex on the parameter path; frozen parameters are not part of the optimizer's pytree, so they carry no optimizer
-state.
+AdamW (b1 0.9, b2 0.95, weight decay 0.05 on matrices only: none on norms, biases, w_tau and tau_bias; OQ-F8),
+global-norm clipping at 1.0, linear warmup then cosine decay to 10% of the peak (FOCAL_SPEC.md section 3.1). Trainable
+parameters are chosen by parameter type (`Centroid` for a Focus retrofit, `LoRA` for the LoRA baseline, every
+`nnx.Param` for full training) and optionally by a regex on the parameter path; frozen parameters are not part of the
+optimizer's pytree, so they carry no optimizer state.
 """
 
 import dataclasses
@@ -101,7 +101,8 @@ def path_str(path) -> str:
 
 
 def decay_mask(params) -> dict:
-    """True for the leaves that get weight decay: matrices (ndim >= 2); norms' scales and biases get none."""
+    """True for the leaves that get weight decay: matrices (ndim >= 2: the embeddings and projections, and W_g and C
+    of Focus); norms' scales, biases and the learned temperature's w_tau and tau_bias get none (FOCAL_SPEC OQ-F8)."""
     return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
