@@ -67,6 +67,35 @@ def test_sequence_mode_cannot_decode_and_is_a_retrofit_option():
         FocalConfig(t=0.4, tau_mode="sequence")
 
 
+def test_tau_clip_is_a_layer_and_retrofit_option():
+    """FOCAL_SPEC OQ-F4: with tau past tau_max the paper's hard clip passes no gradient to the temperature
+    parameters; 'straight_through' computes the same forward with the identity gradient, 'smooth' another forward
+    that is never flat. (The pure function had `clip=`; the layers always clipped hard.)"""
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 64)
+
+    def loss_and_grad(clip):
+        model = _llama(kind="focal_learned", tau_min=1.0, tau_max=2.0, tau_clip=clip)
+        for layer in model.layers:
+            layer.self_attn.tau_bias[...] = jnp.asarray(3.0)  # every tau above tau_max
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            return jnp.mean(nnx.merge(graphdef, params, rest)(tokens) ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, float(jnp.abs(grads["layers"][0]["self_attn"]["tau_bias"][...]))
+
+    (hard, hard_grad), (straight, straight_grad), (smooth, smooth_grad) = map(
+        loss_and_grad, ("hard", "straight_through", "smooth"))
+    assert hard == straight and hard_grad == 0 and straight_grad > 0
+    assert smooth != hard and smooth_grad > 0
+    with pytest.raises(ValueError, match=r"tau_clip='soft' is not one of \('hard', 'straight_through', 'smooth'\)"):
+        AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focal_learned", tau_clip="soft")
+    model = retrofit(_llama(), FocalConfig(learned=True, tau_clip="smooth"))
+    assert {layer.self_attn.config.tau_clip for layer in model.layers} == {"smooth"}
+    with pytest.raises(ValueError, match="tau_clip='smooth' is for the learned temperature"):
+        FocalConfig(t=0.4, tau_clip="smooth")
+
+
 def test_softmax_assignment_rows_are_the_softmax_of_the_scores():
     config = AttentionConfig(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
                              focus_dim=8, focus_window=2, focus_assign="softmax")

@@ -28,6 +28,7 @@ KINDS = {
     "dense": {},
     "focal": dict(kind="focal", focal_t=0.4),
     "focal_learned": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0),
+    "focal_learned_smooth_clip": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0, tau_clip="smooth"),
     "focus_hard_causal": FOCUS,
     "focal+focus_hard_causal": dict(FOCUS, kind="focal+focus", focal_t=0.4),
     "focal_softcap": dict(kind="focal", focal_t=0.4, softcap=2.0),

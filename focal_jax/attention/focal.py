@@ -185,7 +185,9 @@ def dot_product_attention(q, k, v, *, scale=None, causal=True, window=None, segm
                            segment_ids=segment_ids, softcap=softcap)
 
 
-def _clip(z, tau_min, tau_max, clip):
+def clip_tau(z, tau_min, tau_max, clip):
+    """`z` (float32) clipped to `[tau_min, tau_max]` as `learned_temperature`'s `clip` says: 'hard',
+    'straight_through' or 'smooth'."""
     if clip == "hard":
         return jnp.clip(z, tau_min, tau_max)
     if clip == "straight_through":
@@ -255,4 +257,4 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
         reduce = segment_prefix if mode == "prefix" else segment_total
         per_row = jax.vmap(lambda values, ids: reduce(values, ids, "sum"))
         mean = per_row(z, segment_ids) / per_row(jnp.ones_like(z), segment_ids)
-    return _clip(mean + bias, tau_min, tau_max, clip)
+    return clip_tau(mean + bias, tau_min, tau_max, clip)

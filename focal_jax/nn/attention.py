@@ -16,7 +16,7 @@ from flax import nnx
 from focal_jax import attention as fa
 from focal_jax._validation import plain_numbers
 from focal_jax.attention import _validate
-from focal_jax.attention.focal import attend, attention_logits
+from focal_jax.attention.focal import attend, attention_logits, clip_tau
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
 from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
@@ -30,6 +30,7 @@ IMPLS = ("xla", "cudnn", "decomposed", "pallas")
 QK_NORMS = (None, "head", "full")
 GATES = ("paper", "log")
 TAU_MODES = ("prefix", "sequence")
+TAU_CLIPS = ("hard", "straight_through", "smooth")
 ASSIGNMENTS = ("sinkhorn", "softmax")
 FOCUS_KINDS = ("focus", "focal+focus")
 
@@ -132,6 +133,9 @@ class AttentionConfig:
     tau_mode: the mean of 'focal_learned' (`learned_temperature(mode=...)`, FOCAL_SPEC OQ-F2): 'prefix' (default,
       causal: the running mean over tokens <= i) | 'sequence' (the paper's literal mean over the whole row: tau_i
       sees later tokens, a fidelity ablation; such a layer cannot decode with a KV cache).
+    tau_clip: how 'focal_learned' clips tau to [tau_min, tau_max] (`learned_temperature(clip=...)`, FOCAL_SPEC
+      OQ-F4): 'hard' (default, the paper's: no gradient outside the range) | 'straight_through' (clipped forward,
+      identity gradient) | 'smooth' (a sigmoid of slope 1 at the midpoint, never flat).
     focus_assign: how the Focus kinds turn routing scores into the assignment g: 'sinkhorn' (default, the paper's
       balanced assignment) | 'softmax' (a softmax over the K scores of each token, no balancing: the collapse
       baseline of FOCUS_SPEC section 7; pair it with the trainer's `balance_weight`).
@@ -164,6 +168,7 @@ class AttentionConfig:
     focus_causal: bool = False
     focus_assign: str = "sinkhorn"
     tau_mode: str = "prefix"
+    tau_clip: str = "hard"
     window: int | None = None
     rope_ntk_factor: float | None = None
     rope_trained_len: int | None = None
@@ -196,6 +201,7 @@ class AttentionConfig:
         _choice("focus_gate", self.focus_gate, GATES)
         _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
         _choice("tau_mode", self.tau_mode, TAU_MODES)
+        _choice("tau_clip", self.tau_clip, TAU_CLIPS)
         for name in ("norm_eps", "focal_t", "focus_tau", "focus_lam"):
             _positive(name, getattr(self, name))
         if self.rope_theta is not None:
@@ -260,7 +266,8 @@ class AttentionConfig:
 
 # The fields that some kinds read only, with those kinds: set on a layer of another kind, one changes nothing.
 FIELD_KINDS = {"focal_t": ("focal", "focal+focus"), "tau_min": ("focal_learned",), "tau_max": ("focal_learned",),
-               "tau_mode": ("focal_learned",), "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
+               "tau_mode": ("focal_learned",), "tau_clip": ("focal_learned",),
+               "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
                **{f.name: FOCUS_KINDS for f in dataclasses.fields(AttentionConfig) if f.name.startswith("focus_")}}
 
 
@@ -436,7 +443,7 @@ class Attention(nnx.Module):
             z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), self.w_tau[...].astype(jnp.float32))
             sums = cache["tau_sum"][:, None] + jnp.cumsum(z, axis=1)
             mean = sums / (q_pos + 1).astype(jnp.float32)
-            tau = jnp.clip(mean + self.tau_bias[...], c.tau_min, c.tau_max)
+            tau = clip_tau(mean + self.tau_bias[...], c.tau_min, c.tau_max, c.tau_clip)
             new["tau_sum"] = cache["tau_sum"] + jnp.sum(z, axis=1)
             scale, temperature = 1.0, tau[:, :, None]
         mask = jnp.broadcast_to(mask, (b, t, max_len))
@@ -467,7 +474,7 @@ class Attention(nnx.Module):
                                       softcap=c.softcap)
         if c.kind == "focal_learned":
             tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode=c.tau_mode,
-                                         bias=self.tau_bias[...], segment_ids=segment_ids)
+                                         clip=c.tau_clip, bias=self.tau_bias[...], segment_ids=segment_ids)
             if record is not None:
                 record["tau"] = tau
             if c.impl == "pallas":

@@ -98,13 +98,15 @@ class FocalConfig:
     """Focal attention (arXiv 2511.06818) to retrofit: a constant temperature `t` (logits `q.k * scale / t`;
     t < 1 sharpens, t = 1 is dense), or `learned=True`: per-layer `Temperature` parameters with tau clipped to
     [tau_min, tau_max], averaged as `tau_mode` says ('prefix': causal running mean, the default; 'sequence': the
-    paper's whole-row mean). With `learned=True`, `t` must be left unset (it becomes None)."""
+    paper's whole-row mean) and clipped as `tau_clip` says ('hard', the default, | 'straight_through' | 'smooth':
+    `AttentionConfig.tau_clip`). With `learned=True`, `t` must be left unset (it becomes None)."""
 
     t: float | None = 0.4
     learned: bool = False
     tau_min: float = 5.0
     tau_max: float = 10.0
     tau_mode: str = "prefix"
+    tau_clip: str = "hard"
 
     def __post_init__(self):
         plain_numbers(self)
@@ -116,14 +118,15 @@ class FocalConfig:
                                  f"within [tau_min, tau_max], so leave t unset")
             object.__setattr__(self, "t", None)
             _validate("FocalConfig", dict(kind="focal_learned", tau_min=self.tau_min, tau_max=self.tau_max,
-                                          tau_mode=self.tau_mode), {})
+                                          tau_mode=self.tau_mode, tau_clip=self.tau_clip), {})
         else:
             if (self.tau_min, self.tau_max) != (5.0, 10.0):
                 raise ValueError(f"FocalConfig: tau_min={self.tau_min!r}, tau_max={self.tau_max!r} are for the "
                                  f"learned temperature; set learned=True or leave them unset")
-            if self.tau_mode != "prefix":
-                raise ValueError(f"FocalConfig: tau_mode={self.tau_mode!r} is for the learned temperature; set "
-                                 f"learned=True or leave tau_mode unset")
+            for name, default in (("tau_mode", "prefix"), ("tau_clip", "hard")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"FocalConfig: {name}={getattr(self, name)!r} is for the learned temperature; "
+                                     f"set learned=True or leave {name} unset")
             if self.t is None:
                 raise ValueError("FocalConfig: t=None needs learned=True (give a constant temperature t > 0, or "
                                  "learned=True)")
@@ -132,7 +135,8 @@ class FocalConfig:
 
     def attention_fields(self) -> dict:
         if self.learned:
-            return {"tau_min": self.tau_min, "tau_max": self.tau_max, "tau_mode": self.tau_mode}
+            return {"tau_min": self.tau_min, "tau_max": self.tau_max, "tau_mode": self.tau_mode,
+                    "tau_clip": self.tau_clip}
         return {"focal_t": self.t}
 
 
