@@ -256,8 +256,9 @@ def cast_floats(tree, dtype, *, keep=frozenset()):
 
 def routing_param_paths(model) -> frozenset[str]:
     """Paths of the Focus routing and learned-temperature parameters (`Centroid`, `Temperature`): a training step
-    keeps them in their float32 (`make_steps`), as the products they enter are float32 (`routing_scores`,
-    `learned_temperature`). They are few (d_model * d_g + K * d_g, d_model + 1 per layer)."""
+    leaves them in the dtype they are kept in (`param_dtype`, float32 by default) rather than the compute dtype
+    (`make_steps`), as the products they enter are float32 (`routing_scores`, `learned_temperature`). They are few
+    (d_model * d_g + K * d_g, d_model + 1 per layer)."""
     return frozenset(param_paths(nnx.state(model, (Centroid, Temperature))))
 
 
