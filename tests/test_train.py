@@ -256,7 +256,7 @@ def test_a_model_section_compares_as_the_model_it_builds():
         "retrofit.window: 8 (stored) vs 9 (now)"]
     assert config_differences({"retrofit": {}}, {"retrofit": {"focal": {}}}) == [
         "retrofit.focal: None (stored) vs {'t': 0.4, 'learned': False, 'tau_min': 5.0, 'tau_max': 10.0, "
-        "'tau_mode': 'prefix'} (now)"]
+        "'tau_mode': 'prefix', 'tau_clip': 'hard'} (now)"]
 
 
 def test_optimizer_is_adamw_after_global_norm_clipping():
