@@ -10,8 +10,8 @@ import os
 
 import ml_collections
 
-from focal_jax.nn.llama import FOCAL_SIZES
-from focal_jax.train.config import built_model_section, default_config, task_kwargs_dict
+from focal_jax.nn.llama import focal_config
+from focal_jax.train.config import built_model_section, default_config, model_config, task_kwargs_dict
 
 # Peak learning rates of the Focal paper's sizes (FOCAL_SPEC.md section 3.1, Table 4).
 FOCAL_LR = {"400M": 4e-3, "777M": 2e-3, "1.3B": 1e-3, "2.7B": 5e-4, "6.7B": 4e-4, "9.5B": 4e-4}
@@ -244,18 +244,6 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
-def llama_head_dim(model: dict) -> int:
-    """The head_dim of a config's LLaMA model section: its `head_dim`, else that of its `size`
-    (`focal_jax.nn.llama.FOCAL_SIZES`) or `d_model // n_heads`."""
-    if model.get("head_dim"):
-        return model["head_dim"]
-    if "size" in model:
-        d_model, _, n_heads, _ = FOCAL_SIZES[model["size"]]
-    else:
-        d_model, n_heads = model["d_model"], model["n_heads"]
-    return d_model // n_heads
-
-
 def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict | None = None
              ) -> ml_collections.ConfigDict:
     """Shrink any config to a seconds-long CPU smoke run: the tiny LLaMA (keeping the attention settings, the
@@ -267,8 +255,8 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int = 20, model: dict 
     if model is None:
         model = config.model.to_dict()
         if model.get("family", "llama") == "llama":
-            tiny_head_dim = FOCAL_SIZES["tiny"][0] // FOCAL_SIZES["tiny"][2]
-            attn = rescaled_tau_range(dict(model.get("attn", {})), llama_head_dim(model), tiny_head_dim)
+            head_dim = model_config(model)[1].attention.head_dim
+            attn = rescaled_tau_range(dict(model.get("attn", {})), head_dim, focal_config("tiny").attention.head_dim)
             if "focus_window" in attn:
                 attn["focus_window"] = min(attn["focus_window"], 16)
             model = {"family": "llama", "size": "tiny", "vocab_size": 512, "attn": attn,
