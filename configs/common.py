@@ -102,11 +102,12 @@ def focal_pretraining(size: str, attn: dict, *, seq_len: int = 2048, batch_token
     (Table 4) unless `lr` is given, the recipe of `base_config`, a 32000-piece tokenizer (the paper's LLaMA
     tokenizer has 32000; we train a BPE of that size on the corpus unless `--config.data.tokenizer` is set), and
     FOCAL_SPEC.md section 2's choices where the paper is silent: RMSNorm eps 1e-5, weights drawn from N(0, 0.02^2)
-    (`LlamaConfig.init_std`)."""
+    (`LlamaConfig.init_std`), and plain causal attention over each packed row (`data.doc_mask=False`, OQ-F9: the
+    documents of a row are not masked from each other, nor from a learned temperature's prefix mean)."""
     check_choice("size", size, FOCAL_LR)
     config = base_config()
     config.model = {"family": "llama", "size": size, "attn": dict(attn), "norm_eps": 1e-5, "init_std": 0.02}
-    config.data.update(source="builtin", vocab_size=32000, seq_len=seq_len)
+    config.data.update(source="builtin", vocab_size=32000, seq_len=seq_len, doc_mask=False)
     config.batch_size = batch_size(batch_tokens, seq_len)
     config.total_steps = steps
     config.optim.lr = FOCAL_LR[size] if lr is None else lr
@@ -153,6 +154,12 @@ def norm_eps_of(model: dict) -> float:
     """The RMSNorm eps of a stored model section (a run that continues it must keep it: runs of `focal_pretraining`
     stored before 0.6.22 have `focal_config`'s 1e-6)."""
     return built_model_section(model)["norm_eps"]
+
+
+def doc_mask_of(run: dict) -> bool:
+    """`data.doc_mask` of a stored run config (a run that continues it keeps it: runs stored before 0.6.23, which
+    had no such setting, masked documents)."""
+    return bool(run.get("data", {}).get("doc_mask", True))
 
 
 def start_from(config: ml_collections.ConfigDict, *, init_from: str, hf: str, experiment: str) -> dict | None:

@@ -20,7 +20,7 @@ Table 2 is the LM-eval average of both runs next to the t = 0.4 model trained fr
 Where the paper is silent, we chose: the schedule is not stated, so 100 linear warmup steps then a constant LR
 (FOCAL_SPEC.md section 3.5, project default); the optimizer state starts fresh (the base run's is not loaded); the
 data is the base run's corpus, continued (give the same `data=`), read with the base run's tokenizer
-(INIT_FROM/tokenizer.model). `impl` as in `focal_scaling.py`.
+(INIT_FROM/tokenizer.model) and packed as it packed (`data.doc_mask`). `impl` as in `focal_scaling.py`.
 
 Arguments: init_from (the baseline's workdir; required), t (0.4 adapted, 1.0 the control), size (the base model's
 size, default 2.7B), data (a glob of training files; default the builtin corpus), impl, runlocal.
@@ -39,6 +39,7 @@ def get_config(arg=None):
     attn = {"kind": "dense"} if arg.t == 1.0 else {"kind": "focal", "focal_t": arg.t}
     config = common.focal_pretraining(arg.size, {**attn, "impl": arg.impl}, steps=5000, lr=5e-5)
     config.model.norm_eps = common.norm_eps_of(base_model)
+    config.data.doc_mask = common.doc_mask_of(common.base_run(arg.init_from))
     config.init_from = arg.init_from
     config.data.tokenizer = common.run_tokenizer(arg.init_from)
     config.optim.update(warmup_steps=100, final_lr_fraction=1.0)

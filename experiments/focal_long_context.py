@@ -40,9 +40,10 @@ and are not run:
 
 Where the paper is silent, we chose (FOCAL_SPEC.md OQ-F10): the paper's optimizer with peak LR 2e-5 (the 1e-5 to
 5e-5 range; 2e-5 is Xiong et al.'s, whose theta change the paper follows), 200 warmup steps, cosine to 10%; the
-batch 2.1M tokens of the 315B run; the NTK factor 2.0. The data of the fine-tuning is not named: packed documents
-are masked from each other, so it needs long documents (e.g. RedPajama's books and arXiv parts), read with the base
-run's tokenizer. Only the constant variant was taken to long context (Table 1). Attention at 32K needs a
+batch 2.1M tokens of the 315B run; the NTK factor 2.0. The data of the fine-tuning is not named: long documents
+(e.g. RedPajama's books and arXiv parts), read with the base run's tokenizer and packed as the base run packed
+(`data.doc_mask`: a `focal_scaling.py` run attends across the documents of a row, OQ-F9), so that 32K-token rows
+hold long-range dependencies. Only the constant variant was taken to long context (Table 1). Attention at 32K needs a
 FlashAttention-style kernel: `impl` defaults to 'cudnn' (GPU); use `impl=pallas` elsewhere. Blocks are
 rematerialised (`model.remat`) to fit the activations.
 
@@ -66,6 +67,7 @@ def get_config(arg=None):
     config = common.focal_pretraining("2.7B", attn, seq_len=32768, batch_tokens=common.FOCAL_LARGE_BATCH_TOKENS,
                                       steps=2385, lr=2e-5)
     config.model.norm_eps = common.norm_eps_of(base_model)
+    config.data.doc_mask = common.doc_mask_of(common.base_run(arg.init_from))
     config.model.update(rope_theta=500_000.0, remat=True)
     config.init_from = arg.init_from
     config.data.tokenizer = common.run_tokenizer(arg.init_from)

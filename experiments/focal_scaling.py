@@ -42,7 +42,9 @@ Where the paper is silent, we chose (FOCAL_SPEC.md open questions):
   32000-piece BPE trained on the corpus, or the LLaMA tokenizer with `--config.data.tokenizer=PATH/tokenizer.model`.
 - learned tau (OQ-F1 to OQ-F4, the model's defaults): one tau per layer from the causal prefix mean of the normed
   attention input, plus a bias initialised at the middle of the clip (7.5) so that tau starts inside it.
-- packed documents are masked from each other (the trainer's packing; OQ-F9's doc_mask option).
+- packing (OQ-F9): plain causal attention over each packed row, documents separated by their bos / eos tokens as in
+  Open-LLaMA-style training (`data.doc_mask=False`; the learned tau's prefix mean runs across them too); give
+  `--config.data.doc_mask=True` to mask the documents of a row from each other (the library's default).
 - attention `impl`: 'xla' (anywhere); the paper used FlashAttention: `impl=cudnn` on GPUs (baseline and focal
   only) or `impl=pallas`. Large sizes need sharding, e.g. `--config.mesh.fsdp=8`.
 

@@ -133,17 +133,22 @@ def test_focal_variant_refuses_an_unknown_name():
         common.focal_variant("sharp")
 
 
-@pytest.mark.parametrize("stored_eps, eps", [(None, 1e-6), (1e-5, 1e-5)])
-def test_focal_runs_from_a_base_keep_its_norm_eps(tmp_path, monkeypatch, stored_eps, eps):
+@pytest.mark.parametrize("stored_eps, stored_doc_mask, eps, doc_mask", [(None, None, 1e-6, True),
+                                                                         (1e-5, False, 1e-5, False)])
+def test_focal_runs_from_a_base_keep_its_norm_eps_and_packing(tmp_path, monkeypatch, stored_eps, stored_doc_mask, eps,
+                                                              doc_mask):
     """The Focal pretraining runs take FOCAL_SPEC section 2's RMSNorm eps 1e-5 and N(0, 0.02^2) weights (before
-    0.6.22: 1e-6, `focal_config`'s, and Flax's initialisers); a run that continues one keeps its eps, whichever."""
+    0.6.22: 1e-6, `focal_config`'s, and Flax's initialisers) and OQ-F9's plain causal rows (before 0.6.23: documents
+    masked); a run that continues one keeps its eps and its packing, whichever."""
     from focal_jax.train.config import check_config
-    pretraining = check_config(load_experiment("focal_scaling", "size=2.7B")).model
-    assert (pretraining.norm_eps, pretraining.init_std) == (1e-5, 0.02)
+    pretraining = check_config(load_experiment("focal_scaling", "size=2.7B"))
+    assert (pretraining.model.norm_eps, pretraining.model.init_std, pretraining.data.doc_mask) == (1e-5, 0.02, False)
     (tmp_path / "base").mkdir()
     model = {"family": "llama", "size": "2.7B", "attn": {"kind": "dense"}}
-    monkeypatch.setattr(common, "base_run", lambda workdir: {"model": {
-        **model, **({} if stored_eps is None else {"norm_eps": stored_eps})}})
+    monkeypatch.setattr(common, "base_run", lambda workdir: {
+        "model": {**model, **({} if stored_eps is None else {"norm_eps": stored_eps})},
+        "data": {"source": "builtin", **({} if stored_doc_mask is None else {"doc_mask": stored_doc_mask})}})
     monkeypatch.setattr(common, "run_tokenizer", lambda workdir: os.path.join(workdir, "tokenizer.model"))
     for name, arg in (("focal_adapt", "t=0.4"), ("focal_long_context", "variant=baseline")):
-        assert check_config(load_experiment(name, f"init_from={tmp_path / 'base'},{arg}")).model.norm_eps == eps
+        run = check_config(load_experiment(name, f"init_from={tmp_path / 'base'},{arg}"))
+        assert (run.model.norm_eps, run.data.doc_mask) == (eps, doc_mask)

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from focal_jax.data import (DataConfig, Tokenizer, build_data, builtin_corpus, cached_tokenizer, load_tokenizer,
-                            make_examples, pack, read_documents, score, train_iterator, train_tokenizer)
+                            make_examples, merge_documents, pack, read_documents, score, train_iterator,
+                            train_tokenizer)
 from focal_jax.data import corpus, tokenizer as tokenizer_module
 from focal_jax.data.synthetic import Example
 
@@ -80,6 +81,7 @@ def test_config_normalises_paths_and_task_kwargs():
     ("eval_fraction", 1.0, None),
     ("eval_fraction", -0.1, None),
     ("shuffle", "yes", None),
+    ("doc_mask", 0, None),
     ("tokenizer", 5, None),
     ("cache_dir", "", None),
 ])
@@ -384,6 +386,29 @@ def test_pack_matches_reference_and_recovers_every_bigram(docs, seq_len):
     assert not m[out["segment_ids"] == 0].any() and (out["positions"][:, 0] == 0).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(documents, st.integers(1, 17))
+def test_merged_documents_make_each_row_one_sequence(docs, seq_len):
+    """`doc_mask=False` (FOCAL_SPEC OQ-F9): one segment per row over its real tokens, positions the column; the
+    tokens, targets and loss mask are `pack`'s."""
+    out, packed = merge_documents(pack(docs, seq_len)), pack(docs, seq_len)
+    assert sorted(out) == sorted(packed)
+    for key in ("inputs", "targets", "loss_mask"):
+        np.testing.assert_array_equal(out[key], packed[key], err_msg=key)
+    real = packed["segment_ids"] > 0
+    np.testing.assert_array_equal(out["segment_ids"], real.astype(np.int32))
+    np.testing.assert_array_equal(out["positions"], np.where(real, np.arange(seq_len), 0))
+    assert out["segment_ids"].dtype == out["positions"].dtype == np.int32
+
+
+def test_merged_documents_hand_checked_and_errors():
+    docs = [np.array([2, 5, 6, 3]), np.array([2, 7, 3]), np.array([2, 8, 9, 10, 3]), np.array([2, 3])]
+    out = merge_documents(pack(docs, 4))
+    assert out["segment_ids"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert out["positions"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 0, 0]]
+    check_raises(lambda: merge_documents({"inputs": np.zeros((1, 4))}), "keys of pack", "'positions'")
+
+
 def test_pack_errors():
     check_raises(lambda: pack([np.array([1, 2])], 0), "seq_len=0")
     check_raises(lambda: pack([], 4), "at least one document")
@@ -423,6 +448,19 @@ def test_train_batches_shapes_and_epochs(cache_dir):
     assert sorted(map(tuple, plain["inputs"].tolist())) == sorted(map(tuple, epoch1.tolist()))
     assert not np.array_equal(plain["inputs"], epoch1)
     assert data.n_train_tokens == (plain["segment_ids"] > 0).sum() == (plain["inputs"] > 0).sum()
+
+
+def test_doc_mask_false_merges_the_documents_of_training_and_eval_rows(cache_dir):
+    masked = build_data(synthetic_config(cache_dir, shuffle=False), global_batch=4, seed=0, process_index=0,
+                        process_count=1)
+    merged = build_data(synthetic_config(cache_dir, shuffle=False, doc_mask=False), global_batch=4, seed=0,
+                        process_index=0, process_count=1)
+    assert (masked.n_train_rows, masked.n_train_tokens) == (merged.n_train_rows, merged.n_train_tokens)
+    assert masked.train[0]["segment_ids"].max() > 1  # rows hold several documents
+    for a, b in ((masked.train[3], merged.train[3]), (masked.eval_batches(2)[1], merged.eval_batches(2)[1])):
+        expected = merge_documents(a)
+        for key in a:
+            np.testing.assert_array_equal(b[key], expected[key], err_msg=key)
 
 
 def test_process_shards_concatenate_to_the_global_batch(cache_dir):

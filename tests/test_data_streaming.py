@@ -139,19 +139,23 @@ def epoch_documents(cfg, epoch, readers, *, seed=0, process_count=1):
 # The stream's rows are the in-memory pipeline's rows
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "text", "parquet", "array_record"])
-def test_stream_equals_in_memory_rows_and_eval_batches(tmp_path, cache_dir, fmt):
+@pytest.mark.parametrize("fmt, doc_mask", [("jsonl", True), ("text", True), ("parquet", True),
+                                           ("array_record", True), ("jsonl", False)])
+def test_stream_equals_in_memory_rows_and_eval_batches(tmp_path, cache_dir, fmt, doc_mask):
     pattern = write_corpus(str(tmp_path / fmt), DOCS, fmt)
-    in_memory = build(config(pattern, cache_dir, streaming=False, prefetch=2, shuffle=False))
-    stream = build(config(pattern, cache_dir, shuffle=False))
+    in_memory = build(config(pattern, cache_dir, streaming=False, prefetch=2, shuffle=False, doc_mask=doc_mask))
+    stream = build(config(pattern, cache_dir, shuffle=False, doc_mask=doc_mask))
     assert stream.tokenizer.path == in_memory.tokenizer.path  # trained on the same (whole) training split
     assert stream.n_train_rows is None and stream.n_train_tokens is None and stream.streaming
     assert "streamed from" in stream.describe() and "rows of 32 tokens" in in_memory.describe()
     steps = -(-5 * in_memory.n_train_rows // 2 // 4)  # two and a half epochs: the padded last rows repeat too
     it = train_iterator(stream)
-    assert_batches_equal([next(it) for _ in range(steps)], [in_memory.train[s] for s in range(steps)])
+    batches = [next(it) for _ in range(steps)]
+    assert_batches_equal(batches, [in_memory.train[s] for s in range(steps)])
     n_eval = -(-len(in_memory.eval_rows["inputs"]) // 4) + 1  # every eval row, then padding
     assert_batches_equal(stream.eval_batches(n_eval), in_memory.eval_batches(n_eval))
+    segments = max(b["segment_ids"].max() for b in batches + stream.eval_batches(n_eval))
+    assert segments == 1 if not doc_mask else segments > 1  # (doc_mask=False: one sequence per row)
     assert_batches_equal(stream.eval_batches(1), in_memory.eval_batches(1))
 
 

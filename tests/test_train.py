@@ -615,6 +615,31 @@ def test_resume_refuses_data_that_changed(tmp_path, cache_dir):
     assert latest_step(other) == 1
 
 
+def test_doc_mask_false_trains_each_row_as_one_sequence_and_is_kept_on_resume(tmp_path, cache_dir):
+    """`data.doc_mask=False` (FOCAL_SPEC OQ-F9): the tokens of a row attend across its documents, so the first
+    step's loss (the same initial model, the same tokens and targets) differs from the masked run's; a resume must
+    keep the setting."""
+    def config(**overrides):  # short documents, several to a row
+        c = tiny(cache_dir, total_steps=1, eval_batches=1)
+        c.data.update(source="synthetic", n_synthetic=300, **overrides)
+        return c
+
+    masked, merged = str(tmp_path / "masked"), str(tmp_path / "merged")
+    train(config(), masked)
+    config = config(doc_mask=False)
+    train(config, merged)
+    assert losses(masked)[1] != losses(merged)[1]
+    [masked_eval], [merged_eval] = read_metrics(masked, kind="eval"), read_metrics(merged, kind="eval")
+    assert masked_eval["loss"] != merged_eval["loss"]
+    config.total_steps = 2
+    config.data.doc_mask = True
+    with pytest.raises(ValueError, match=r"different config.*data.doc_mask: False \(stored\) vs True \(now\)"):
+        train(config, merged)
+    config.data.doc_mask = False
+    train(config, merged)
+    assert sorted(losses(merged)) == [1, 2]
+
+
 def test_a_config_that_leaves_keys_at_their_defaults_resumes(tmp_path, cache_dir):
     """check_config reads the keys a config leaves out at their defaults: such a run trained, but its resume failed
     (KeyError 'total_steps' in the schedule check), and writing a default out was 'a different config'."""

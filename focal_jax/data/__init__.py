@@ -13,7 +13,7 @@ integers per reader, and `data.n_train_rows` / `n_train_tokens` are None.
 
 from focal_jax.data.config import DataConfig
 from focal_jax.data.corpus import builtin_corpus
-from focal_jax.data.packing import pack
+from focal_jax.data.packing import merge_documents, pack
 from focal_jax.data.pipeline import Data, build_data, encode_documents, train_iterator
 from focal_jax.data.sources import read_documents
 from focal_jax.data.synthetic import Example, make_examples, score
@@ -22,6 +22,6 @@ from focal_jax.data.tokenizer import (Tokenizer, cached_tokenizer, copy_tokenize
 
 __all__ = [
     "Data", "DataConfig", "Example", "Tokenizer", "build_data", "builtin_corpus", "cached_tokenizer", "copy_tokenizer",
-    "encode_documents", "load_tokenizer", "make_examples", "pack", "read_documents", "score", "tokenizer_file",
+    "encode_documents", "load_tokenizer", "make_examples", "merge_documents", "pack", "read_documents", "score", "tokenizer_file",
     "train_iterator", "train_tokenizer", "workdir_tokenizer",
 ]

@@ -37,6 +37,10 @@ class DataConfig:
       vocab_size: vocabulary size of a trained tokenizer (unused when `tokenizer` is given).
       cache_dir: where trained tokenizers (and the parsed builtin corpus) are cached; None means ~/.cache/focal_jax.
       seq_len: tokens per packed row.
+      doc_mask: True: the documents packed into a row never attend to each other (segment ids, positions restart at
+        each document; DESIGN.md). False: each row is one causal sequence over its documents, separated by their
+        bos / eos tokens (`packing.merge_documents`; FOCAL_SPEC.md OQ-F9, Open-LLaMA-style training). The loss
+        covers the same tokens either way.
       eval_fraction: share of documents held out for evaluation, chosen by a hash of each document's text
         (unused when `eval_paths` is set).
       shuffle: shuffle the training rows (differently each epoch); when streaming, the order of the files
@@ -66,6 +70,7 @@ class DataConfig:
     vocab_size: int = 2000
     cache_dir: str | None = None
     seq_len: int = 128
+    doc_mask: bool = True
     eval_fraction: float = 0.05
     shuffle: bool = True
     eval_paths: tuple[str, ...] = ()
@@ -91,7 +96,7 @@ class DataConfig:
         if isinstance(self.eval_fraction, bool) or not isinstance(self.eval_fraction, (int, float)) or not (
                 0 <= self.eval_fraction < 1):
             raise ValueError(f"eval_fraction must be a number in [0, 1), got eval_fraction={self.eval_fraction!r}")
-        for name in ("shuffle", "streaming"):
+        for name in ("doc_mask", "shuffle", "streaming"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, got {name}={getattr(self, name)!r}")
         object.__setattr__(self, "eval_paths", _paths(self.eval_paths, "eval_paths"))

@@ -67,6 +67,31 @@ def pack(token_docs: list[np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
                 loss_mask=same_doc.astype(np.float32))
 
 
+def merge_documents(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The rows of `pack` with the documents of each row as one sequence (`DataConfig.doc_mask=False`, FOCAL_SPEC.md
+    OQ-F9): `segment_ids` 1 at every real token (0 stays padding) and `positions` the column in the row (0 at
+    padding), so causal attention, Sinkhorn's column sums and a learned temperature's prefix mean run across the
+    documents of a row, separated only by their bos / eos tokens. `inputs`, `targets` and `loss_mask` are kept: a
+    document's last token still has no target, so the loss is over the same tokens as with document masking.
+
+    Args:
+      rows: dict with the keys of `pack`, each `[..., seq_len]`.
+
+    Returns:
+      A new dict with the same keys and shapes.
+
+    >>> out = merge_documents(pack([np.array([2, 7, 3]), np.array([2, 9, 3])], seq_len=4))
+    >>> out['segment_ids'].tolist(), out['positions'].tolist()
+    ([[1, 1, 1, 1], [1, 1, 0, 0]], [[0, 1, 2, 3], [0, 1, 0, 0]])
+    """
+    missing = [k for k in ("segment_ids", "positions") if k not in rows]
+    if missing:
+        raise ValueError(f"merge_documents needs the keys of pack, got {sorted(rows)} (missing {missing})")
+    real = np.asarray(rows["segment_ids"]) != 0
+    column = np.broadcast_to(np.arange(real.shape[-1], dtype=np.int32), real.shape)
+    return {**rows, "segment_ids": real.astype(np.int32), "positions": np.where(real, column, 0).astype(np.int32)}
+
+
 def frame(ids, start_id: int, eos_id: int) -> np.ndarray:
     """A document's token ids `[n]` -> `[start_id, *ids, eos_id]`, int32 `[n + 2]`: the framing `pack` expects
     (start_id: the bos, or the eos for a tokenizer without bos)."""

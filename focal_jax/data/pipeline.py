@@ -19,7 +19,7 @@ import numpy as np
 
 from focal_jax.data import streaming as streaming_lib
 from focal_jax.data.config import DataConfig
-from focal_jax.data.packing import PACKED_KEYS, frame, pack
+from focal_jax.data.packing import PACKED_KEYS, frame, merge_documents, pack
 from focal_jax.data.sources import check_disjoint, expand_paths, is_held_out, read_documents
 from focal_jax.data.tokenizer import Tokenizer, cached_tokenizer, copy_tokenizer, load_tokenizer
 
@@ -132,13 +132,13 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
     else:
         train_docs, eval_docs = split_documents(read_documents(config), config.eval_fraction)
     tokenizer = _tokenizer(config, train_docs, workdir)
-    train_rows = pack(encode_documents(tokenizer, train_docs), config.seq_len)
+    train_rows = packed_rows(encode_documents(tokenizer, train_docs), config)
     n_train_rows = len(train_rows["inputs"])
     if n_train_rows < global_batch:
         raise ValueError(f"the training corpus packs into {n_train_rows} rows of seq_len={config.seq_len} tokens, "
                          f"fewer than one global batch (global_batch={global_batch}): add documents or lower "
                          f"global_batch / seq_len")
-    eval_rows = (pack(encode_documents(tokenizer, eval_docs), config.seq_len) if eval_docs
+    eval_rows = (packed_rows(encode_documents(tokenizer, eval_docs), config) if eval_docs
                  else {k: np.zeros((0, config.seq_len), np.float32 if k == "loss_mask" else np.int32)
                        for k in PACKED_KEYS})
 
@@ -194,6 +194,13 @@ def train_iterator(data: Data) -> grain.DatasetIterator:
                                            gather=jax.process_count() == data.process_count)
     read_options = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     return iter(data.train.to_iter_dataset(read_options))
+
+
+def packed_rows(token_docs: list[np.ndarray], config: DataConfig) -> Batch:
+    """`pack(token_docs, config.seq_len)`, with the documents of a row merged into one sequence (`merge_documents`)
+    unless `config.doc_mask`."""
+    rows = pack(token_docs, config.seq_len)
+    return rows if config.doc_mask else merge_documents(rows)
 
 
 def encode_documents(tokenizer: Tokenizer, documents: list[str]) -> list[np.ndarray]:

@@ -48,7 +48,7 @@ import grain
 import numpy as np
 
 from focal_jax.data.config import DataConfig
-from focal_jax.data.packing import PACKED_KEYS, frame, pack
+from focal_jax.data.packing import PACKED_KEYS, frame, merge_documents, pack
 from focal_jax.data.sources import expand_paths, is_held_out, iter_records
 from focal_jax.data.tokenizer import Tokenizer
 
@@ -481,6 +481,8 @@ def train_stream(config: DataConfig, files: list[str], tokenizer: Tokenizer, *, 
         items = documents(dataclasses.replace(plan, verbose=False), reader)
         next(item for item in items if isinstance(item, _Doc))  # a first document exists (or raises)
     dataset = TrainStream(plan, readers, tokenizer, config.seq_len, paths=config.paths)
+    if not config.doc_mask:
+        dataset = dataset.map(merge_documents)
     dataset = dataset.batch(global_batch // process_count, drop_remainder=True)
     if config.prefetch:
         dataset = grain.experimental.ThreadPrefetchIterDataset(dataset, prefetch_buffer_size=config.prefetch)
@@ -555,4 +557,4 @@ class EvalRows:
         for k in PACKED_KEYS:
             have = np.stack([r[k] for r in self._rows[:n]])
             out[k] = np.concatenate([have, np.zeros((n - len(have), seq_len), have.dtype)])
-        return out
+        return out if self.config.doc_mask else merge_documents(out)
