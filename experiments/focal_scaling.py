@@ -41,7 +41,9 @@ Where the paper is silent, we chose (FOCAL_SPEC.md open questions):
   RedPajama (Open-LLaMA's corpus) as jsonl files, any `data=` glob works (.txt / .jsonl / .parquet). Tokenizer: a
   32000-piece BPE trained on the corpus, or the LLaMA tokenizer with `--config.data.tokenizer=PATH/tokenizer.model`.
 - learned tau (OQ-F1 to OQ-F4, the model's defaults): one tau per layer from the causal prefix mean of the normed
-  attention input, plus a bias initialised at the middle of the clip (7.5) so that tau starts inside it.
+  attention input, plus a bias initialised at the middle of the clip (7.5) so that tau starts inside it. The
+  alternatives are settings: `--config.model.attn.tau_mode=sequence` (the paper's literal whole-row mean) or `token`,
+  `tau_granularity=head`, `tau_bias=False` (no bias, w_tau ~ N(0, 0.02^2)), `tau_input=residual`, `tau_clip=smooth`.
 - packing (OQ-F9): plain causal attention over each packed row, documents separated by their bos / eos tokens as in
   Open-LLaMA-style training (`data.doc_mask=False`; the learned tau's prefix mean runs across them too); give
   `--config.data.doc_mask=True` to mask the documents of a row from each other (the library's default).

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from focal_jax.attention import reference
 from focal_jax.nn.attention import Attention, AttentionConfig, check_decodable, record_attention
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.retrofit import FocalConfig, FocusConfig, retrofit
@@ -59,6 +60,7 @@ def test_sequence_mode_cannot_decode_and_is_a_retrofit_option():
     with pytest.raises(ValueError, match="tau_mode='sequence'"):
         check_decodable(config)
     check_decodable(dataclasses.replace(config, tau_mode="prefix"))
+    check_decodable(dataclasses.replace(config, tau_mode="token"))
     with pytest.raises(ValueError, match="tau_mode='window'"):
         dataclasses.replace(config, tau_mode="window")
     model = retrofit(_llama(), FocalConfig(learned=True, tau_mode="sequence"))
@@ -94,6 +96,87 @@ def test_tau_clip_is_a_layer_and_retrofit_option():
     assert {layer.self_attn.config.tau_clip for layer in model.layers} == {"smooth"}
     with pytest.raises(ValueError, match="tau_clip='smooth' is for the learned temperature"):
         FocalConfig(t=0.4, tau_clip="smooth")
+
+
+def _records(model, tokens):
+    with record_attention() as records:
+        logits = model(tokens)
+    return logits, records
+
+
+def test_a_per_head_temperature_with_equal_columns_is_the_per_layer_one():
+    """FOCAL_SPEC OQ-F1: `tau_granularity='head'` has `w_tau [d_model, H]` and `tau_bias [H]`, one tau per token and
+    head; with every column the per-layer weights (and the same bias) it computes the per-layer model's logits,
+    and with columns of their own the heads' taus differ."""
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 64)
+    layer_model, head_model = _learned_model("prefix"), _llama(kind="focal_learned", tau_granularity="head")
+    n_heads = head_model.config.attention.n_heads
+    for i, (a, b) in enumerate(zip(layer_model.layers, head_model.layers)):
+        a.self_attn.w_tau[...] = 0.2 * jax.random.normal(jax.random.key(20 + i), a.self_attn.w_tau.shape)
+        assert b.self_attn.w_tau.shape == a.self_attn.w_tau.shape + (n_heads,)
+        assert b.self_attn.tau_bias.shape == (n_heads,)
+        b.self_attn.w_tau[...] = jnp.repeat(a.self_attn.w_tau[...][:, None], n_heads, axis=1)
+    nnx.update(head_model, nnx.state(layer_model, nnx.Not(nnx.Any(nnx.PathContains("w_tau"),
+                                                                   nnx.PathContains("tau_bias")))))
+    (want, want_records), (got, got_records) = _records(layer_model, tokens), _records(head_model, tokens)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert got_records[0]["tau"].shape == (2, 12, n_heads)
+    tau = want_records[0]["tau"]
+    assert float(jnp.std(tau)) > 0.05 and float(tau.min()) > 5.0 and float(tau.max()) < 10.0  # inside the clip
+    np.testing.assert_allclose(got_records[0]["tau"], jnp.repeat(want_records[0]["tau"][..., None], n_heads, -1),
+                               atol=1e-6)
+    w = head_model.layers[0].self_attn.w_tau
+    w[...] = w[...] * jnp.arange(1.0, n_heads + 1)
+    tau = _records(head_model, tokens)[1][0]["tau"]
+    assert float(jnp.min(jnp.std(tau, axis=-1))) > 0.01
+
+
+def test_the_residual_stream_feeds_tau_with_tau_input_residual():
+    """FOCAL_SPEC OQ-F3: `tau_input='residual'` computes tau from the block's input (the first layer's: the token
+    embeddings) rather than the normed attention input."""
+    tokens = jax.random.randint(jax.random.key(5), (2, 12), 0, 64)
+    normed, residual = _learned_model("prefix"), _learned_model("prefix")
+    residual = retrofit(residual, FocalConfig(learned=True, tau_input="residual"))  # the same parameters
+    nnx.update(residual, nnx.state(normed))
+    embeddings = normed.embed_tokens(tokens)
+    layer = normed.layers[0].self_attn
+    (_, normed_records), (_, residual_records) = _records(normed, tokens), _records(residual, tokens)
+    for x, records in ((normed.layers[0].input_layernorm(embeddings), normed_records), (embeddings, residual_records)):
+        want = reference.learned_temperature(x, layer.w_tau[...], tau_min=5.0, tau_max=10.0, mode="prefix",
+                                             bias=float(layer.tau_bias[...]))
+        np.testing.assert_allclose(records[0]["tau"], want, atol=1e-5)
+    assert float(jnp.max(jnp.abs(normed_records[0]["tau"] - residual_records[0]["tau"]))) > 0.1
+    with pytest.raises(ValueError, match="tau_input='residual' computes tau from the residual stream: pass "
+                                         "residual"):
+        layer = residual.layers[0].self_attn
+        layer(embeddings, positions=jnp.broadcast_to(jnp.arange(12), (2, 12)))
+
+
+def test_the_literal_temperature_has_no_bias_and_starts_clipped():
+    """FOCAL_SPEC OQ-F4's literal mode, `tau_bias=False`: no offset, `w_tau ~ N(0, 0.02^2)`, so tau starts near 0
+    and the hard clip holds it at tau_min (the dead zone the default's mid-range bias avoids)."""
+    model = _llama(kind="focal_learned", tau_bias=False)
+    d_model = model.config.d_model
+    for layer in model.layers:
+        assert not hasattr(layer.self_attn, "tau_bias") and layer.self_attn.w_tau.shape == (d_model,)
+    w = jnp.concatenate([layer.self_attn.w_tau[...] for layer in model.layers])
+    assert 0.015 < float(jnp.std(w)) < 0.025 and float(jnp.abs(jnp.mean(w))) < 0.005
+    assert len(set(float(layer.self_attn.w_tau[0]) for layer in model.layers)) == len(model.layers)  # own draws
+    tau = _records(model, jax.random.randint(jax.random.key(6), (2, 12), 0, 64))[1][0]["tau"]
+    assert float(jnp.max(tau)) == 5.0
+    literal = retrofit(_llama(), FocalConfig(learned=True, tau_bias=False, tau_granularity="head",
+                                             tau_clip="straight_through"))
+    assert literal.layers[0].self_attn.w_tau.shape == (d_model, model.config.attention.n_heads)
+    assert not hasattr(literal.layers[0].self_attn, "tau_bias")
+    for name, value in (("tau_granularity", "head"), ("tau_bias", False), ("tau_input", "residual")):
+        with pytest.raises(ValueError, match=f"{name}={value!r} is for the learned temperature"):
+            FocalConfig(t=0.4, **{name: value})
+    for name, value, message in (("tau_granularity", "token", r"tau_granularity='token' is not one of \('layer', "
+                                  r"'head'\)"), ("tau_bias", 1, "tau_bias must be a bool"),
+                                 ("tau_input", "embeddings", r"tau_input='embeddings' is not one of \('normed', "
+                                  r"'residual'\)")):
+        with pytest.raises(ValueError, match=message):
+            AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focal_learned", **{name: value})
 
 
 def test_softmax_assignment_rows_are_the_softmax_of_the_scores():

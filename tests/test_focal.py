@@ -310,6 +310,43 @@ def test_learned_temperature_matches_reference(mode, segmented, clip):
         assert np.any(want == 5.0) and np.any(want == 10.0) and np.any((want > 5.0) & (want < 10.0))
 
 
+@pytest.mark.parametrize("mode", ["prefix", "sequence", "token"])
+@pytest.mark.parametrize("segmented", [False, True])
+def test_per_head_and_per_token_temperatures_match_reference(mode, segmented):
+    """FOCAL_SPEC OQ-F1 (`w_tau [d_model, H]`, one tau per head, `bias [H]`) and OQ-F2's 'token' mode (no mean)."""
+    x, _ = rand_x(21)
+    w = 1.5 * jax.random.normal(jax.random.key(5), (x.shape[-1], 3), jnp.float32)
+    bias = jnp.array([7.5, 6.0, 9.0])
+    seg = jnp.asarray(SEGMENTS) if segmented else None
+    got = learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode=mode, bias=bias, segment_ids=seg)
+    want = reference.learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode=mode, bias=np.asarray(bias),
+                                         segment_ids=seg)
+    assert got.shape == x.shape[:2] + (3,)
+    assert_close(got, want)
+    if mode != "sequence":  # (one tau per row and head there) both bounds and the interior are exercised
+        assert np.any(want == 5.0) and np.any(want == 10.0) and np.any((want > 5.0) & (want < 10.0))
+    for head in range(3):  # each head is the per-layer temperature of its column
+        assert_close(got[..., head], learned_temperature(x, w[:, head], tau_min=5.0, tau_max=10.0, mode=mode,
+                                                         bias=bias[head], segment_ids=seg))
+    if mode == "token":  # each token's own: the same whatever the other tokens and segments
+        assert_close(got, learned_temperature(x, w, tau_min=5.0, tau_max=10.0, mode=mode, bias=bias))
+
+
+def test_learned_temperature_refuses_bad_weights_by_shape():
+    x, w = rand_x(22)
+    d = x.shape[-1]
+    with pytest.raises(ValueError, match=rf"w_tau must have shape \[d_model\] = \({d},\) or \[d_model, heads\] "
+                                         rf"= \({d}, H\), got shape \({d + 1}, 2\)"):
+        learned_temperature(x, jnp.zeros((d + 1, 2)), **TAU_RANGE)
+    with pytest.raises(ValueError, match=r"bias must be a number or \[heads\] = \(2,\) like w_tau .*got shape "
+                                         r"\(3,\)"):
+        learned_temperature(x, jnp.zeros((d, 2)), bias=jnp.ones(3), **TAU_RANGE)
+    with pytest.raises(ValueError, match="bias must be a number"):  # a per-head bias needs per-head weights
+        learned_temperature(x, w, bias=jnp.ones(2), **TAU_RANGE)
+    with pytest.raises(ValueError, match=r"mode must be one of \('prefix', 'sequence', 'token'\)"):
+        learned_temperature(x, w, mode="window", **TAU_RANGE)
+
+
 def test_prefix_last_token_equals_sequence():
     x, w = rand_x(21)
     pre = learned_temperature(x, w, mode="prefix", bias=7.5, **TAU_RANGE)

@@ -29,6 +29,11 @@ KINDS = {
     "focal": dict(kind="focal", focal_t=0.4),
     "focal_learned": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0),
     "focal_learned_smooth_clip": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0, tau_clip="smooth"),
+    "focal_learned_per_head": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0, tau_granularity="head"),
+    "focal_learned_per_token_residual": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0, tau_mode="token",
+                                             tau_input="residual"),
+    "focal_learned_literal_per_head": dict(kind="focal_learned", tau_min=0.5, tau_max=8.0, tau_granularity="head",
+                                           tau_bias=False, tau_clip="smooth"),
     "focus_hard_causal": FOCUS,
     "focal+focus_hard_causal": dict(FOCUS, kind="focal+focus", focal_t=0.4),
     "focal_softcap": dict(kind="focal", focal_t=0.4, softcap=2.0),
@@ -43,7 +48,8 @@ def _llama(attn):
         for i, layer in enumerate(model.layers):
             w = 0.3 * jax.random.normal(jax.random.key(10 + i), layer.self_attn.w_tau.shape)
             layer.self_attn.w_tau[...] = w
-            layer.self_attn.tau_bias[...] = jnp.asarray(3.0)
+            if config.attention.tau_bias:
+                layer.self_attn.tau_bias[...] = jnp.full(layer.self_attn.tau_bias.shape, 3.0)
     return model
 
 

@@ -258,6 +258,7 @@ def test_model_impl_pallas_equals_xla():
     x = jax.random.normal(jax.random.key(10), (2, 40, 32))
     positions = jnp.broadcast_to(jnp.arange(40), (2, 40))
     for kind, extra in (("dense", {}), ("focal", {"window": 6}), ("focal_learned", {}),
+                        ("focal_learned", {"tau_granularity": "head", "tau_bias": False, "tau_min": 0.05}),
                         ("focus", {"focus_topk": 1, "focus_groups": 4, "focus_window": 5}),
                         ("focal+focus", {"focus_topk": 2, "focus_groups": 4, "focus_window": 5})):
         layer = Attention(AttentionConfig(**shape, kind=kind, **extra), rngs=nnx.Rngs(0))

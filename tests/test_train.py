@@ -256,7 +256,8 @@ def test_a_model_section_compares_as_the_model_it_builds():
         "retrofit.window: 8 (stored) vs 9 (now)"]
     assert config_differences({"retrofit": {}}, {"retrofit": {"focal": {}}}) == [
         "retrofit.focal: None (stored) vs {'t': 0.4, 'learned': False, 'tau_min': 5.0, 'tau_max': 10.0, "
-        "'tau_mode': 'prefix', 'tau_clip': 'hard'} (now)"]
+        "'tau_mode': 'prefix', 'tau_clip': 'hard', 'tau_granularity': 'layer', 'tau_bias': True, 'tau_input': "
+        "'normed'} (now)"]
 
 
 def test_optimizer_is_adamw_after_global_norm_clipping():
@@ -1160,6 +1161,9 @@ def test_eval_records_log_the_learned_temperature(tmp_path, cache_dir):
     sums = trainer.tau_sums([{"x": None}, {"tau": tau, "config": attention}], valid)
     np.testing.assert_allclose(sums, [[1.8 + 2.0 + 3.5 + 1.0 + 3.0 + 9.0 + 2.0, 2, 2, 7]], rtol=1e-6)
     assert trainer.tau_sums([{"g": None}], valid) is None
+    per_head = jnp.stack([tau, tau + 0.5], axis=-1)  # tau_granularity='head': [B, T, H], every head counted
+    sums = trainer.tau_sums([{"tau": per_head, "config": attention}], valid)
+    np.testing.assert_allclose(sums, [[2 * 22.3 + 7 * 0.5, 2 + 1, 2 + 3, 14]], rtol=1e-6)
 
 
 def test_throughput_leaves_evaluation_out(tmp_path, cache_dir, monkeypatch):

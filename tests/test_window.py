@@ -17,7 +17,8 @@ from flax import nnx
 from focal_jax.nn.attention import record_attention
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
-from focal_jax.nn.retrofit import (REPLACEABLE_FIELDS, FocusConfig, WindowConfig, replace_attention, retrofit)
+from focal_jax.nn.retrofit import (REPLACEABLE_FIELDS, FocalConfig, FocusConfig, WindowConfig, replace_attention,
+                                   retrofit)
 from helpers import load_experiment
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
@@ -159,6 +160,11 @@ def test_gpt2_passes_tau_mode_focus_assign_softcap_through():
     a = config.attention_config()
     assert (a.kind, a.tau_mode, a.softcap, a.window) == ("focal_learned", "sequence", 30.0, 7)
     assert config.attention == a
+    learned = dict(tau_clip="smooth", tau_granularity="head", tau_bias=False, tau_input="residual")
+    a = GPT2Config(vocab_size=VOCAB, kind="focal_learned", **learned).attention_config()
+    assert {name: getattr(a, name) for name in learned} == learned
+    model = retrofit(_gpt2(), FocalConfig(learned=True, **learned))  # the residual stream reaches GPT-2's layers
+    assert model.h[0].attn.w_tau.shape == (32, 4) and np.isfinite(_forward(model, _tokens())).all()
     focus = GPT2Config(vocab_size=VOCAB, kind="focus", focus_assign="softmax").attention_config()
     assert focus.focus_assign == "softmax"
     # softcap changes the logits: a model with softcap equals the naive forward only without it.

@@ -197,31 +197,36 @@ def clip_tau(z, tau_min, tau_max, clip):
     return tau_min + width * jax.nn.sigmoid(4.0 * (z - midpoint) / width)
 
 
+TAU_MODES = ("prefix", "sequence", "token")
+
+
 @explicit_as_auto(like_first(2, 2))
 def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard", bias=0.0, segment_ids=None):
     """Focal Attention's learned temperature (Eq. 6): `tau = clip(mean(x @ w_tau) + bias, tau_min, tau_max)`.
 
     Args:
       x: `[B, T, d_model]`, the attention input (after the pre-norm).
-      w_tau: `[d_model]`, one per layer.
+      w_tau: `[d_model]`, one per layer (the paper's: one tau per token, shared by the heads), or `[d_model, H]`,
+        one column per head (FOCAL_SPEC OQ-F1's per-head extension: one tau per token and head).
       tau_min, tau_max: clip range (paper: 5 and 10 at head_dim 128), `0 < tau_min < tau_max`: numbers, or 0-d
         arrays (traced ones too, e.g. `jax.jit` arguments: their values are then not checked).
       mode: `'prefix'` (default, causal): the running mean over tokens <= i, so tau_i never sees the future;
-        `'sequence'`: the paper's literal mean over all tokens of the row (tau_i depends on later tokens).
-        Both reset at segment boundaries when `segment_ids` is given. Padding is a token like any other: right
-        padding changes no real token's `'prefix'` tau, but enters the `'sequence'` mean unless its segment id
-        differs from its row's tokens' (`focal_jax.data` gives padding segment id 0).
+        `'sequence'`: the paper's literal mean over all tokens of the row (tau_i depends on later tokens);
+        `'token'`: no mean, tau_i from x_i alone (FOCAL_SPEC OQ-F2). The means reset at segment boundaries
+        when `segment_ids` is given. Padding is a token like any other: right padding changes no real token's
+        `'prefix'` tau, but enters the `'sequence'` mean unless its segment id differs from its row's tokens'
+        (`focal_jax.data` gives padding segment id 0).
       clip: `'hard'` (the paper's clip; zero gradient outside the range), `'smooth'`
         (`tau_min + (tau_max - tau_min) * sigmoid(4 (z - mid) / (tau_max - tau_min))`: slope 1 at the midpoint,
         never flat), or `'straight_through'` (clipped forward, identity gradient).
-      bias: a scalar offset (a number or 0-d array) added to the mean (our addition, not in the paper).
-        Initialise it inside `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a hard clip passes no
-        gradient to a tau that starts outside the range.
+      bias: an offset added to the mean (our addition, not in the paper): a number or 0-d array, or `[H]` with a
+        per-head `w_tau`. Initialise it inside `(tau_min, tau_max)`, e.g. at the midpoint, with `w_tau = 0`: a
+        hard clip passes no gradient to a tau that starts outside the range.
       segment_ids: optional int `[B, T]`; the mean runs over the tokens of the token's own segment.
 
     Returns:
-      tau `[B, T]` in float32 (float64 inputs under `jax_enable_x64` too). Use it as
-      `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])`.
+      tau `[B, T]` (`[B, T, H]` for a per-head `w_tau`) in float32 (float64 inputs under `jax_enable_x64` too).
+      Use it as `focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None])` (per head: `temperature=tau`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -232,29 +237,48 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", clip="hard
     _validate.check_array("x", x, "[batch, seq, d_model]")
     if x.ndim != 3:
         raise ValueError(f"x must have shape [batch, seq, d_model], got shape {x.shape}")
-    _validate.check_array("w_tau", w_tau, f"[d_model] = ({x.shape[-1]},)")
-    if w_tau.shape != (x.shape[-1],):
-        raise ValueError(f"w_tau must have shape [d_model] = ({x.shape[-1]},), got shape {w_tau.shape}")
+    d_model = x.shape[-1]
+    _validate.check_array("w_tau", w_tau, f"[d_model] = ({d_model},) or [d_model, heads]")
+    if w_tau.ndim not in (1, 2) or w_tau.shape[0] != d_model:
+        raise ValueError(f"w_tau must have shape [d_model] = ({d_model},) or [d_model, heads] = ({d_model}, H), got "
+                         f"shape {w_tau.shape}")
     _validate.check_scalar("tau_min", tau_min)
     _validate.check_scalar("tau_max", tau_max)
-    _validate.check_scalar("bias", bias)  # (a [seq] array was added per position)
+    _check_bias(bias, w_tau)
     _validate.check_positive("tau_min", tau_min)  # tau divides the logits
     if _validate.is_concrete(tau_min) and _validate.is_concrete(tau_max) and not tau_min < tau_max:
         raise ValueError(f"tau_min must be < tau_max, got tau_min={tau_min}, tau_max={tau_max}")
-    _validate.check_choice("mode", mode, ("prefix", "sequence"))
+    _validate.check_choice("mode", mode, TAU_MODES)
     _validate.check_choice("clip", clip, ("hard", "smooth", "straight_through"))
     if clip == "smooth":  # its width and midpoint need a finite range (tau_max = inf: every tau NaN)
         _validate.check_finite("tau_max", tau_max)
     b, t, _ = x.shape
     _validate.check_segment_ids(segment_ids, b, t)
-    z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), w_tau.astype(jnp.float32))
-    if segment_ids is None:
+    z = tau_logits(x, w_tau)
+    if mode == "token":
+        mean = z
+    elif segment_ids is None:
         if mode == "sequence":
             mean = jnp.broadcast_to(jnp.mean(z, axis=1, keepdims=True), z.shape)
         else:
-            mean = jnp.cumsum(z, axis=1) / jnp.arange(1, t + 1)
+            mean = jnp.cumsum(z, axis=1) / jnp.arange(1, t + 1).reshape((t,) + (1,) * (z.ndim - 2))
     else:
         reduce = segment_prefix if mode == "prefix" else segment_total
         per_row = jax.vmap(lambda values, ids: reduce(values, ids, "sum"))
         mean = per_row(z, segment_ids) / per_row(jnp.ones_like(z), segment_ids)
     return clip_tau(mean + bias, tau_min, tau_max, clip)
+
+
+def tau_logits(x, w_tau):
+    """`x @ w_tau` in float32: `[B, T, d_model] x [d_model]` -> `[B, T]`, or `x [d_model, H]` -> `[B, T, H]`."""
+    return jnp.tensordot(x.astype(jnp.float32), w_tau.astype(jnp.float32), axes=1)
+
+
+def _check_bias(bias, w_tau):
+    """`learned_temperature`'s bias: a scalar, or `[H]` with a per-head `w_tau [d_model, H]`."""
+    if w_tau.ndim == 2 and _validate.is_array(bias) and bias.ndim == 1:
+        if bias.shape != w_tau.shape[1:]:
+            raise ValueError(f"bias must be a number or [heads] = ({w_tau.shape[1]},) like w_tau {w_tau.shape}, got "
+                             f"shape {bias.shape}")
+        return
+    _validate.check_scalar("bias", bias)  # (a [seq] array was added per position)

@@ -125,34 +125,40 @@ def learned_temperature(x, w_tau, *, tau_min, tau_max, mode="prefix", bias=0.0, 
     """`tau = clip(mean(x @ w_tau) + bias, tau_min, tau_max)` with a hard clip, by explicit loops (float64).
 
     Args:
-      x `[B, T, d]`, w_tau `[d]`.
+      x `[B, T, d]`, w_tau `[d]` (one tau per token) or `[d, H]` (one per token and head; bias a number or `[H]`).
       mode: 'sequence': mean over all tokens of the row (of the token's segment when segment_ids is given);
-        'prefix': running mean over tokens j <= i (of the same segment).
+        'prefix': running mean over tokens j <= i (of the same segment); 'token': no mean (the token's own).
       segment_ids: optional int `[B, T]`.
 
     Returns:
-      tau `[B, T]` float32 (a numpy array).
+      tau `[B, T]` (or `[B, T, H]`) float32 (a numpy array).
     """
     x = np.asarray(x, np.float64)
     w = np.asarray(w_tau, np.float64)
+    per_head = w.ndim == 2
+    w = w if per_head else w[:, None]
+    bias = np.broadcast_to(np.asarray(bias, np.float64), (w.shape[1],))
     b, t, _ = x.shape
     seg = np.zeros((b, t), np.int64) if segment_ids is None else np.asarray(segment_ids)
-    z = np.zeros((b, t))
-    for bb in range(b):
-        for i in range(t):
-            z[bb, i] = float(np.dot(x[bb, i], w))
-    tau = np.zeros((b, t))
-    for bb in range(b):
-        for i in range(t):
-            if mode == "sequence":
-                members = [j for j in range(t) if seg[bb, j] == seg[bb, i]]
-            elif mode == "prefix":
-                members = [j for j in range(i + 1) if seg[bb, j] == seg[bb, i]]
-            else:
-                raise ValueError(f"unknown mode={mode!r}")
-            mean = sum(z[bb, j] for j in members) / len(members)
-            tau[bb, i] = min(max(mean + bias, tau_min), tau_max)
-    return tau.astype(np.float32)
+    tau = np.zeros((b, t, w.shape[1]))
+    for head in range(w.shape[1]):
+        z = np.zeros((b, t))
+        for bb in range(b):
+            for i in range(t):
+                z[bb, i] = float(np.dot(x[bb, i], w[:, head]))
+        for bb in range(b):
+            for i in range(t):
+                if mode == "sequence":
+                    members = [j for j in range(t) if seg[bb, j] == seg[bb, i]]
+                elif mode == "prefix":
+                    members = [j for j in range(i + 1) if seg[bb, j] == seg[bb, i]]
+                elif mode == "token":
+                    members = [i]
+                else:
+                    raise ValueError(f"unknown mode={mode!r}")
+                mean = sum(z[bb, j] for j in members) / len(members)
+                tau[bb, i, head] = min(max(mean + bias[head], tau_min), tau_max)
+    return (tau if per_head else tau[:, :, 0]).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------

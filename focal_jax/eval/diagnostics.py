@@ -347,13 +347,14 @@ def top_tokens(g, tokens, valid=None, *, n: int = 8) -> list:
 def _entropy_sums(record, valid):
     """Sum over real queries of the attention entropy of one recorded layer -> `[H]`, one row at a time."""
     config = record["config"]
-    x, q, k, segment_ids = record["x"], record["q"], record["k"], record["segment_ids"]
+    x, q, k, segment_ids, tau_x = record["x"], record["q"], record["k"], record["segment_ids"], record["tau_x"]
     b, t = q.shape[:2]
     one_hot_values = jnp.broadcast_to(jnp.eye(t, dtype=jnp.float32)[:, None, :], (1, t, config.n_kv_heads, t))
 
     def row(i):
         pick = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0)
-        probs = record["attend"](pick(x), pick(q), pick(k), one_hot_values, pick(segment_ids))  # [1, T, H, T]
+        probs = record["attend"](pick(x), pick(q), pick(k), one_hot_values, pick(segment_ids),
+                                 tau_x=pick(tau_x))  # [1, T, H, T]
         entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0), -1)
         return jnp.sum(entropy[0] * pick(valid)[0, :, None], axis=0)  # [H]
 

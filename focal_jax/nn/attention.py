@@ -16,7 +16,7 @@ from flax import nnx
 from focal_jax import attention as fa
 from focal_jax._validation import plain_numbers
 from focal_jax.attention import _validate
-from focal_jax.attention.focal import attend, attention_logits, clip_tau
+from focal_jax.attention.focal import TAU_MODES, attend, attention_logits, clip_tau, tau_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
 from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
@@ -29,8 +29,9 @@ CUSTOM_KINDS: dict = {}
 IMPLS = ("xla", "cudnn", "decomposed", "pallas")
 QK_NORMS = (None, "head", "full")
 GATES = ("paper", "log")
-TAU_MODES = ("prefix", "sequence")
 TAU_CLIPS = ("hard", "straight_through", "smooth")
+TAU_GRANULARITIES = ("layer", "head")
+TAU_INPUTS = ("normed", "residual")
 ASSIGNMENTS = ("sinkhorn", "softmax")
 FOCUS_KINDS = ("focus", "focal+focus")
 
@@ -45,12 +46,15 @@ def record_attention():
     Inside `with record_attention() as records:`, each call of an `Attention` module without a KV cache appends
     one dict to `records`, in call order (layer order for a forward pass):
       config: the layer's `AttentionConfig`;
-      attend: the layer's attention function `(x, q, k, v, segment_ids) -> [B, T, H, Dv]`, the path the forward
-        used (with one-hot values `v [B, T, Hk, T]` it returns the attention probabilities `[B, T, H, T]`);
+      attend: the layer's attention function `(x, q, k, v, segment_ids, tau_x=tau_x) -> [B, T, H, Dv]`, the path
+        the forward used (with one-hot values `v [B, T, Hk, T]` it returns the attention probabilities
+        `[B, T, H, T]`);
       x `[B, T, d_model]` (the layer input), q `[B, T, H, D]`, k, v `[B, T, Hk, D]` (after QK-norm and RoPE),
       segment_ids `[B, T]` or None;
+      tau_x `[B, T, d_model]`: the learned temperature's input (x, or the residual stream with
+        `tau_input='residual'`);
       g `[B, T, K]` (the Sinkhorn assignment), for the Focus kinds only;
-      tau `[B, T]` (the learned temperature), for 'focal_learned' only.
+      tau `[B, T]` (`[B, T, H]` per head: the learned temperature), for 'focal_learned' only.
     The values belong to the current trace: under `jax.jit`, use them inside the jitted function; call the model
     without rematerialisation (`remat=False`), whose blocks run in an inner trace. Outside the context nothing is
     recorded and the computation is unchanged.
@@ -132,7 +136,16 @@ class AttentionConfig:
       (`layers.rope_inverse_frequencies`). At most one of the three scalings is set.
     tau_mode: the mean of 'focal_learned' (`learned_temperature(mode=...)`, FOCAL_SPEC OQ-F2): 'prefix' (default,
       causal: the running mean over tokens <= i) | 'sequence' (the paper's literal mean over the whole row: tau_i
-      sees later tokens, a fidelity ablation; such a layer cannot decode with a KV cache).
+      sees later tokens, a fidelity ablation; such a layer cannot decode with a KV cache) | 'token' (no mean: tau_i
+      from token i alone).
+    tau_granularity: 'layer' (default, the paper's: `w_tau [d_model]`, one tau per token shared by the heads) |
+      'head' (FOCAL_SPEC OQ-F1's extension: `w_tau [d_model, n_heads]`, `tau_bias [n_heads]`, one tau per head).
+    tau_bias: True (default, FOCAL_SPEC OQ-F4's flagged deviation): `tau_bias` starts at the midpoint of
+      [tau_min, tau_max] and `w_tau` at zeros, so tau starts inside the clip | False (the literal Eq. 6): no bias,
+      `w_tau ~ N(0, 0.02^2)`, so tau starts near 0 and a 'hard' clip holds it at tau_min with no gradient (pair
+      it with tau_clip='straight_through' or 'smooth').
+    tau_input: the x of `mean(x @ w_tau)` (FOCAL_SPEC OQ-F3): 'normed' (default: the attention input, after the
+      pre-norm) | 'residual' (the block's input, the residual stream, before the pre-norm).
     tau_clip: how 'focal_learned' clips tau to [tau_min, tau_max] (`learned_temperature(clip=...)`, FOCAL_SPEC
       OQ-F4): 'hard' (default, the paper's: no gradient outside the range) | 'straight_through' (clipped forward,
       identity gradient) | 'smooth' (a sigmoid of slope 1 at the midpoint, never flat).
@@ -169,6 +182,9 @@ class AttentionConfig:
     focus_assign: str = "sinkhorn"
     tau_mode: str = "prefix"
     tau_clip: str = "hard"
+    tau_granularity: str = "layer"
+    tau_bias: bool = True
+    tau_input: str = "normed"
     window: int | None = None
     rope_ntk_factor: float | None = None
     rope_trained_len: int | None = None
@@ -183,7 +199,7 @@ class AttentionConfig:
         _int("focus_window", self.focus_window, 0)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
-        for name in ("qkv_bias", "out_bias", "focus_causal"):
+        for name in ("qkv_bias", "out_bias", "focus_causal", "tau_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         _choice("qk_norm", self.qk_norm, QK_NORMS)
@@ -202,6 +218,8 @@ class AttentionConfig:
         _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
         _choice("tau_mode", self.tau_mode, TAU_MODES)
         _choice("tau_clip", self.tau_clip, TAU_CLIPS)
+        _choice("tau_granularity", self.tau_granularity, TAU_GRANULARITIES)
+        _choice("tau_input", self.tau_input, TAU_INPUTS)
         for name in ("norm_eps", "focal_t", "focus_tau", "focus_lam"):
             _positive(name, getattr(self, name))
         if self.rope_theta is not None:
@@ -266,7 +284,8 @@ class AttentionConfig:
 
 # The fields that some kinds read only, with those kinds: set on a layer of another kind, one changes nothing.
 FIELD_KINDS = {"focal_t": ("focal", "focal+focus"), "tau_min": ("focal_learned",), "tau_max": ("focal_learned",),
-               "tau_mode": ("focal_learned",), "tau_clip": ("focal_learned",),
+               **{name: ("focal_learned",) for name in ("tau_mode", "tau_clip", "tau_granularity", "tau_bias",
+                                                         "tau_input")},
                "window": ("dense", "focal", "focal_learned"), "softcap": KINDS,
                **{f.name: FOCUS_KINDS for f in dataclasses.fields(AttentionConfig) if f.name.startswith("focus_")}}
 
@@ -282,10 +301,11 @@ def unread_fields(config: AttentionConfig) -> dict:
 def check_decodable(config: AttentionConfig):
     """Raises ValueError unless a layer of `config` can decode token by token with a KV cache.
 
-    Decodable: 'dense', 'focal', 'focal_learned' with `tau_mode='prefix'` (its causal prefix mean is a running
-    sum), and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing (`focus_causal=True`,
-    or `focus_assign='softmax'`, whose rows depend on their own token only). Not with dynamic NTK RoPE
-    (`rope_ntk_factor`): its base grows with the sequence, so keys cached under a shorter one's base go stale.
+    Decodable: 'dense', 'focal', 'focal_learned' with `tau_mode` 'prefix' (its causal prefix mean is a running
+    sum) or 'token', and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing
+    (`focus_causal=True`, or `focus_assign='softmax'`, whose rows depend on their own token only). Not with dynamic
+    NTK RoPE (`rope_ntk_factor`): its base grows with the sequence, so keys cached under a shorter one's base go
+    stale.
     """
     if config.kind in CUSTOM_KINDS:
         raise ValueError(f"kind={config.kind!r} (registered with register_attention) has no KV-cache form")
@@ -294,10 +314,10 @@ def check_decodable(config: AttentionConfig):
                          f"cache: the RoPE base grows with the sequence, so keys cached under a shorter sequence's "
                          f"base differ from the full forward's; use focal_jax.eval.decode.greedy_decode (full "
                          f"forwards) or plain RoPE")
-    if config.kind == "focal_learned" and config.tau_mode != "prefix":
+    if config.kind == "focal_learned" and config.tau_mode == "sequence":
         raise ValueError(f"kind='focal_learned' with tau_mode={config.tau_mode!r} cannot decode with a KV cache: the "
                          f"whole-sequence mean makes every token's temperature depend on tokens not generated yet; "
-                         f"use tau_mode='prefix' (the causal running mean)")
+                         f"use tau_mode='prefix' (the causal running mean) or 'token'")
     if config.kind not in FOCUS_KINDS:
         return
     if not config.focus_causal and config.focus_assign == "sinkhorn":
@@ -336,11 +356,13 @@ def _normal_rows(key, shape):
 
 class Attention(nnx.Module):
     """Causal self-attention. `x [B, T, d_model]` (the normed attention input), `positions int [B, T]`,
-    optional `segment_ids int [B, T]` (packed documents) -> `[B, T, d_model]`.
+    optional `segment_ids int [B, T]` (packed documents), optional `residual [B, T, d_model]` (the block's input
+    before the pre-norm: the learned temperature's input with `tau_input='residual'`) -> `[B, T, d_model]`.
 
     Parameters: `q_proj`, `k_proj`, `v_proj`, `o_proj` (`nnx.Linear`, kernel `[in, out]`); `q_norm`, `k_norm`
-    with QK-norm; `w_tau`, `tau_bias` (`Temperature`) for 'focal_learned'; `w_g [d_model, focus_dim]`,
-    `centroids [focus_groups, focus_dim]` (`Centroid`) for the Focus kinds.
+    with QK-norm; `w_tau` `[d_model]` (or `[d_model, n_heads]`) and, with `tau_bias`, `tau_bias` `[]` (or
+    `[n_heads]`) (`Temperature`) for 'focal_learned'; `w_g [d_model, focus_dim]`, `centroids [focus_groups,
+    focus_dim]` (`Centroid`) for the Focus kinds.
     """
 
     def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs):
@@ -359,28 +381,33 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(q_dim, eps=c.norm_eps)
             self.k_norm = RMSNorm(kv_dim, eps=c.norm_eps)
         if c.kind == "focal_learned":
-            self.w_tau = Temperature(jnp.zeros((c.d_model,), jnp.float32))
-            self.tau_bias = Temperature(jnp.asarray((c.tau_min + c.tau_max) / 2, jnp.float32))
+            heads = (c.n_heads,) if c.tau_granularity == "head" else ()
+            if c.tau_bias:
+                self.w_tau = Temperature(jnp.zeros((c.d_model,) + heads, jnp.float32))
+                self.tau_bias = Temperature(jnp.full(heads, (c.tau_min + c.tau_max) / 2, jnp.float32))
+            else:
+                self.w_tau = Temperature(0.02 * jax.random.normal(rngs.params(), (c.d_model,) + heads, jnp.float32))
         if c.kind in FOCUS_KINDS:
             self.w_g = Centroid(0.02 * jax.random.normal(rngs.params(), (c.d_model, c.focus_dim), jnp.float32))
             self.centroids = Centroid(_normal_rows(rngs.params(), (c.focus_groups, c.focus_dim)))
 
     def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> dict:
         """An empty KV cache for this layer (a dict of arrays): `k`, `v` `[B, max_len, Hk, D]` in `dtype`; for
-        'focal_learned' `tau_sum [B]` (running sum of `x . w_tau`); for hard Focus `scores [B, max_len, K]`
-        (float32 routing scores of the cached tokens, from which the causal Sinkhorn and the membership of every
-        cached token are recomputed). Raises ValueError for kinds that cannot decode (`check_decodable`)."""
+        'focal_learned' `tau_sum [B]` (`[B, n_heads]` per head: the running sum of `x . w_tau`); for hard Focus
+        `scores [B, max_len, K]` (float32 routing scores of the cached tokens, from which the causal Sinkhorn and
+        the membership of every cached token are recomputed). Raises ValueError for kinds that cannot decode
+        (`check_decodable`)."""
         c = self.config
         check_decodable(c)
         cache = {"k": jnp.zeros((batch_size, max_len, c.n_kv_heads, c.head_dim), dtype),
                  "v": jnp.zeros((batch_size, max_len, c.n_kv_heads, c.head_dim), dtype)}
         if c.kind == "focal_learned":
-            cache["tau_sum"] = jnp.zeros((batch_size,), jnp.float32)
+            cache["tau_sum"] = jnp.zeros((batch_size,) + self.w_tau.shape[1:], jnp.float32)
         if c.kind in FOCUS_KINDS:
             cache["scores"] = jnp.zeros((batch_size, max_len, c.focus_groups), jnp.float32)
         return cache
 
-    def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None):
+    def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None, residual=None):
         """Without `cache`: `[B, T, d_model]`. With `cache` (from `init_cache`) and `cache_index` (int scalar: the
         number of tokens already cached): the T tokens of x sit at slots `cache_index .. cache_index + T - 1`;
         returns `(out, new_cache)`."""
@@ -388,6 +415,14 @@ class Attention(nnx.Module):
         if x.ndim != 3 or x.shape[-1] != c.d_model:
             raise ValueError(f"x must have shape [batch, seq, d_model={c.d_model}], got shape {x.shape}")
         b, t, _ = x.shape
+        tau_x = x
+        if c.kind == "focal_learned" and c.tau_input == "residual":
+            if residual is None:
+                raise ValueError("tau_input='residual' computes tau from the residual stream: pass residual (the "
+                                 "block's input before the pre-norm)")
+            if residual.shape != x.shape:
+                raise ValueError(f"residual must have the shape of x {x.shape}, got shape {residual.shape}")
+            tau_x = residual
         if tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape [batch, seq] = {(b, t)}, got shape {positions.shape}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -410,13 +445,13 @@ class Attention(nnx.Module):
                 raise ValueError("segment_ids must be None when decoding with a cache (one sequence per row)")
             if cache_index is None:
                 raise ValueError("cache_index (the number of cached tokens) is required with cache")
-            out, cache = self._attend_cached(x, q, k, v, cache, cache_index)
+            out, cache = self._attend_cached(x, tau_x, q, k, v, cache, cache_index)
             return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim)), cache
-        record = _new_record(self, x=x, q=q, k=k, v=v, segment_ids=segment_ids)
-        out = self._attend(x, q, k, v, segment_ids, record)
+        record = _new_record(self, x=x, q=q, k=k, v=v, segment_ids=segment_ids, tau_x=tau_x)
+        out = self._attend(x, q, k, v, segment_ids, record, tau_x=tau_x)
         return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim))
 
-    def _attend_cached(self, x, q, k, v, cache, index):
+    def _attend_cached(self, x, tau_x, q, k, v, cache, index):
         """Attention of the T new queries (absolute slots `index + 0..T-1`) over the cache after writing their k, v:
         the same masks and temperatures as `_attend` (the dense masked reference path whatever the impl)."""
         c = self.config
@@ -439,13 +474,15 @@ class Attention(nnx.Module):
         if c.kind in ("dense", "focal", "focal_learned") and c.window is not None:
             mask = mask & local_mask(q_pos, k_pos, c.window)
         if c.kind == "focal_learned":
-            # Prefix mean of x . w_tau over tokens <= i, from the running sum of the tokens already cached.
-            z = jnp.einsum("btd,d->bt", x.astype(jnp.float32), self.w_tau[...].astype(jnp.float32))
-            sums = cache["tau_sum"][:, None] + jnp.cumsum(z, axis=1)
-            mean = sums / (q_pos + 1).astype(jnp.float32)
-            tau = clip_tau(mean + self.tau_bias[...], c.tau_min, c.tau_max, c.tau_clip)
+            # 'prefix': the mean of x . w_tau over tokens <= i, from the running sum of the tokens already cached.
+            z = tau_logits(tau_x, self.w_tau[...])  # [B, T] or [B, T, H]
+            mean = z
+            if c.tau_mode == "prefix":
+                sums = cache["tau_sum"][:, None] + jnp.cumsum(z, axis=1)
+                mean = sums / (q_pos + 1).astype(jnp.float32).reshape((t,) + (1,) * (z.ndim - 2))
+            tau = clip_tau(mean + self._tau_bias(), c.tau_min, c.tau_max, c.tau_clip)
             new["tau_sum"] = cache["tau_sum"] + jnp.sum(z, axis=1)
-            scale, temperature = 1.0, tau[:, :, None]
+            scale, temperature = 1.0, _per_query_tau(tau)
         mask = jnp.broadcast_to(mask, (b, t, max_len))
         if c.kind in FOCUS_KINDS:
             # Causal Sinkhorn over every cached token's scores: token i's row depends only on tokens <= i, so the
@@ -459,8 +496,15 @@ class Attention(nnx.Module):
         multiplier = _validate.logit_multiplier(q, scale, temperature)
         return attend(attention_logits(q, k_all, multiplier, c.softcap), v_all, mask), new
 
-    def _attend(self, x, q, k, v, segment_ids, record=None):
+    def _tau_bias(self):
+        """`tau_bias` (its value), or 0 without one (`tau_bias=False`)."""
+        return self.tau_bias[...] if self.config.tau_bias else 0.0
+
+    def _attend(self, x, q, k, v, segment_ids, record=None, *, tau_x=None):
+        """The attention output `[B, T, H, D]` of the layer's kind and impl; `tau_x`: the learned temperature's
+        input when it is not `x` (`tau_input='residual'`)."""
         c = self.config
+        tau_x = x if tau_x is None else tau_x
         if c.kind in CUSTOM_KINDS:
             return CUSTOM_KINDS[c.kind](q, k, v, segment_ids=segment_ids)
         if c.kind == "dense" or c.kind == "focal":
@@ -473,15 +517,16 @@ class Attention(nnx.Module):
             return fa.focal_attention(q, k, v, temperature=temperature, window=c.window, segment_ids=segment_ids,
                                       softcap=c.softcap)
         if c.kind == "focal_learned":
-            tau = fa.learned_temperature(x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max, mode=c.tau_mode,
-                                         clip=c.tau_clip, bias=self.tau_bias[...], segment_ids=segment_ids)
+            tau = fa.learned_temperature(tau_x, self.w_tau[...], tau_min=c.tau_min, tau_max=c.tau_max,
+                                         mode=c.tau_mode, clip=c.tau_clip, bias=self._tau_bias(),
+                                         segment_ids=segment_ids)
             if record is not None:
                 record["tau"] = tau
             if c.impl == "pallas":
-                multiplier = jnp.broadcast_to(1.0 / tau[:, :, None], q.shape[:3])
+                multiplier = jnp.broadcast_to(1.0 / _per_query_tau(tau), q.shape[:3])
                 return dot_product_pallas(q, k, v, multiplier=multiplier, window=c.window, segment_ids=segment_ids,
                                           softcap=c.softcap)
-            return fa.focal_attention(q, k, v, scale=1.0, temperature=tau[:, :, None], window=c.window,
+            return fa.focal_attention(q, k, v, scale=1.0, temperature=_per_query_tau(tau), window=c.window,
                                       segment_ids=segment_ids, softcap=c.softcap)
         # Focus: route on the attention input, balanced by Sinkhorn (or a plain softmax), then soft gate or hard
         # top-k mask.
@@ -497,6 +542,11 @@ class Attention(nnx.Module):
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
                                          segment_ids=segment_ids, softcap=c.softcap, max_groups=c.focus_topk,
                                          impl=c.impl if c.impl in ("decomposed", "pallas") else "reference")
+
+
+def _per_query_tau(tau):
+    """A learned tau `[B, T]` (one per token) or `[B, T, H]` (per head) as the `[B, T, 1 or H]` temperature."""
+    return tau[:, :, None] if tau.ndim == 2 else tau
 
 
 def _assign(config: AttentionConfig, scores, *, segment_ids=None, causal=False):

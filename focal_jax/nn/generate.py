@@ -4,14 +4,15 @@ The cache is a plain pytree, passed explicitly and returned updated:
 
   cache = {'index': int32 scalar (tokens cached so far),
            'layers': (one dict per layer: 'k', 'v' [B, max_len, Hk, D],
-                      'tau_sum' [B] for 'focal_learned' (running sum of x . w_tau: the causal prefix mean),
+                      'tau_sum' [B] ([B, H] per head) for 'focal_learned' (running sum of x . w_tau: the
+                      causal prefix mean),
                       'scores' [B, max_len, K] for hard Focus (routing scores of the cached tokens), ...)}
 
   logits, cache = model(tokens, cache=cache)   # tokens [B, T] continue the cached ones (RoPE / learned positions
                                                # at absolute positions cache['index'] + 0..T-1)
 
 Without `cache` the models return logits only, as before. Decodable attention kinds: 'dense', 'focal', 'focal_learned'
-(prefix mode) and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing
+(prefix or token mode) and hard Focus ('focus' / 'focal+focus' with `focus_topk` set) with causal routing
 (`focus_causal=True`). Hard Focus keeps the routing scores of every cached token and re-runs the causal Sinkhorn over
 them at each step (O(max_len * K * iters), small next to attention over the cache): with prefix column sums, token
 i's assignment depends only on tokens <= i, so the cached tokens keep their groups and the new token's equals the

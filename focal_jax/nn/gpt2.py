@@ -38,9 +38,9 @@ ACTIVATIONS = {
 }
 
 # Fields of GPT2Config passed as they are to AttentionConfig.
-ATTENTION_FIELDS = ("kind", "impl", "focal_t", "tau_min", "tau_max", "tau_mode", "focus_groups", "focus_dim",
-                    "focus_window", "focus_tau", "focus_iters", "focus_gate", "focus_lam", "focus_topk", "focus_causal",
-                    "focus_assign", "window", "softcap")
+ATTENTION_FIELDS = ("kind", "impl", "focal_t", "tau_min", "tau_max", "tau_mode", "tau_clip", "tau_granularity",
+                    "tau_bias", "tau_input", "focus_groups", "focus_dim", "focus_window", "focus_tau", "focus_iters",
+                    "focus_gate", "focus_lam", "focus_topk", "focus_causal", "focus_assign", "window", "softcap")
 
 
 def _check_int(name, value, minimum=1):
@@ -58,7 +58,8 @@ class GPT2Config:
     The attention fields (kind ... softcap, `ATTENTION_FIELDS`) have the meaning of
     `focal_jax.nn.attention.AttentionConfig` and are checked by it (an error names the field), e.g. `window=w`: a
     sliding window, key j visible to query i iff `0 <= i - j <= w` (kinds dense / focal / focal_learned; None = full
-    causal attention); `tau_mode` for 'focal_learned'; `focus_assign` for the Focus kinds; `softcap` on the logits.
+    causal attention); `tau_mode`, `tau_clip`, `tau_granularity`, `tau_bias`, `tau_input` for 'focal_learned';
+    `focus_assign` for the Focus kinds; `softcap` on the logits.
     Hugging Face's GPT-2 has none of these (`focal_jax.convert.gpt2` keeps their defaults).
     """
 
@@ -88,6 +89,10 @@ class GPT2Config:
     focus_causal: bool = False
     focus_assign: str = "sinkhorn"
     tau_mode: str = "prefix"
+    tau_clip: str = "hard"
+    tau_granularity: str = "layer"
+    tau_bias: bool = True
+    tau_input: str = "normed"
     window: int | None = None
     softcap: float | None = None
 
@@ -155,9 +160,9 @@ class GPT2Block(nnx.Module):
 
     def __call__(self, x, *, positions, segment_ids=None, cache=None, cache_index=None):
         if cache is None:
-            x = x + self.attn(self.ln_1(x), positions=positions, segment_ids=segment_ids)
+            x = x + self.attn(self.ln_1(x), positions=positions, segment_ids=segment_ids, residual=x)
             return x + self.mlp(self.ln_2(x))
-        attn, cache = self.attn(self.ln_1(x), positions=positions, cache=cache, cache_index=cache_index)
+        attn, cache = self.attn(self.ln_1(x), positions=positions, cache=cache, cache_index=cache_index, residual=x)
         x = x + attn
         return x + self.mlp(self.ln_2(x)), cache
 

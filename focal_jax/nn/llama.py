@@ -113,9 +113,10 @@ class DecoderBlock(nnx.Module):
         """`[B, T, d]`, or `(out, new_cache)` when a layer `cache` is given (see `Attention`)."""
         kwargs = {} if cache is None else dict(cache=cache, cache_index=cache_index)
         if self.post_norm:  # OLMo-2
-            attn = self.self_attn(x, positions=positions, segment_ids=segment_ids, **kwargs)
+            attn = self.self_attn(x, positions=positions, segment_ids=segment_ids, residual=x, **kwargs)
         else:
-            attn = self.self_attn(self.input_layernorm(x), positions=positions, segment_ids=segment_ids, **kwargs)
+            attn = self.self_attn(self.input_layernorm(x), positions=positions, segment_ids=segment_ids, residual=x,
+                                  **kwargs)
         if cache is not None:
             attn, cache = attn
         if self.post_norm:

@@ -98,8 +98,10 @@ class FocalConfig:
     """Focal attention (arXiv 2511.06818) to retrofit: a constant temperature `t` (logits `q.k * scale / t`;
     t < 1 sharpens, t = 1 is dense), or `learned=True`: per-layer `Temperature` parameters with tau clipped to
     [tau_min, tau_max], averaged as `tau_mode` says ('prefix': causal running mean, the default; 'sequence': the
-    paper's whole-row mean) and clipped as `tau_clip` says ('hard', the default, | 'straight_through' | 'smooth':
-    `AttentionConfig.tau_clip`). With `learned=True`, `t` must be left unset (it becomes None)."""
+    paper's whole-row mean; 'token': none) and clipped as `tau_clip` says ('hard', the default, |
+    'straight_through' | 'smooth'), one tau per layer or per head (`tau_granularity`), with or without the
+    mid-range offset (`tau_bias`), from the normed attention input or the residual stream (`tau_input`): the
+    `AttentionConfig` fields of those names. With `learned=True`, `t` must be left unset (it becomes None)."""
 
     t: float | None = 0.4
     learned: bool = False
@@ -107,6 +109,9 @@ class FocalConfig:
     tau_max: float = 10.0
     tau_mode: str = "prefix"
     tau_clip: str = "hard"
+    tau_granularity: str = "layer"
+    tau_bias: bool = True
+    tau_input: str = "normed"
 
     def __post_init__(self):
         plain_numbers(self)
@@ -117,13 +122,13 @@ class FocalConfig:
                 raise ValueError(f"FocalConfig: t={self.t!r} is the constant temperature; learned=True learns it "
                                  f"within [tau_min, tau_max], so leave t unset")
             object.__setattr__(self, "t", None)
-            _validate("FocalConfig", dict(kind="focal_learned", tau_min=self.tau_min, tau_max=self.tau_max,
-                                          tau_mode=self.tau_mode, tau_clip=self.tau_clip), {})
+            _validate("FocalConfig", dict(kind="focal_learned", **self.attention_fields()), {})
         else:
             if (self.tau_min, self.tau_max) != (5.0, 10.0):
                 raise ValueError(f"FocalConfig: tau_min={self.tau_min!r}, tau_max={self.tau_max!r} are for the "
                                  f"learned temperature; set learned=True or leave them unset")
-            for name, default in (("tau_mode", "prefix"), ("tau_clip", "hard")):
+            for name in LEARNED_FIELDS[2:]:
+                default = next(f.default for f in dataclasses.fields(self) if f.name == name)
                 if getattr(self, name) != default:
                     raise ValueError(f"FocalConfig: {name}={getattr(self, name)!r} is for the learned temperature; "
                                      f"set learned=True or leave {name} unset")
@@ -135,9 +140,12 @@ class FocalConfig:
 
     def attention_fields(self) -> dict:
         if self.learned:
-            return {"tau_min": self.tau_min, "tau_max": self.tau_max, "tau_mode": self.tau_mode,
-                    "tau_clip": self.tau_clip}
+            return {name: getattr(self, name) for name in LEARNED_FIELDS}
         return {"focal_t": self.t}
+
+
+# The fields of a learned FocalConfig, which are AttentionConfig's of the same names.
+LEARNED_FIELDS = ("tau_min", "tau_max", "tau_mode", "tau_clip", "tau_granularity", "tau_bias", "tau_input")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,9 @@ class Centroid(nnx.Param):
 
 class Temperature(nnx.Param):
     """Focal Attention's learned-temperature parameters of one layer: `w_tau [d_model]` and the scalar offset
-    `tau_bias` (initialised at the middle of `(tau_min, tau_max)`). Trained by a learned-Focal retrofit."""
+    `tau_bias` (initialised at the middle of `(tau_min, tau_max)`); `[d_model, n_heads]` and `[n_heads]` with one
+    tau per head, and no `tau_bias` in the literal form (`AttentionConfig.tau_granularity`, `tau_bias`). Trained by
+    a learned-Focal retrofit."""
 
 
 class LoRA(nnx.Param):

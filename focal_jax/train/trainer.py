@@ -311,16 +311,20 @@ def group_counts(records, valid):
 
 
 def tau_sums(records, valid):
-    """float32 `[L, 4]`: per learned-temperature layer recorded by `record_attention`, over the real tokens: the sum
-    of tau, the number at tau_min, the number at tau_max (the hard clip's flat ends, where tau gets no gradient) and
-    the number of real tokens; None when no layer learns its temperature."""
+    """float32 `[L, 4]`: per learned-temperature layer recorded by `record_attention`, over the real tokens (and
+    heads, for a per-head tau `[B, T, H]`): the sum of tau, the number at tau_min, the number at tau_max (the hard
+    clip's flat ends, where tau gets no gradient) and the number of taus; None when no layer learns its
+    temperature."""
     learned = [r for r in records if "tau" in r]
     if not learned:
         return None
-    valid = valid.astype(jnp.float32)
-    return jnp.stack([jnp.stack([jnp.sum(r["tau"] * valid), jnp.sum((r["tau"] <= r["config"].tau_min) * valid),
-                                 jnp.sum((r["tau"] >= r["config"].tau_max) * valid), jnp.sum(valid)])
-                      for r in learned])
+    sums = []
+    for r in learned:
+        tau = r["tau"]
+        weight = jnp.broadcast_to(valid.astype(jnp.float32).reshape(valid.shape + (1,) * (tau.ndim - 2)), tau.shape)
+        sums.append(jnp.stack([jnp.sum(tau * weight), jnp.sum((tau <= r["config"].tau_min) * weight),
+                               jnp.sum((tau >= r["config"].tau_max) * weight), jnp.sum(weight)]))
+    return jnp.stack(sums)
 
 
 def _without_remat(model):
