@@ -179,6 +179,27 @@ def test_the_literal_temperature_has_no_bias_and_starts_clipped():
             AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focal_learned", **{name: value})
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_focus_routing_scores_are_cosine_or_raw_dot_products(normalize):
+    """FOCUS_SPEC OQ-2: `focus_normalize=False` routes on the raw dot product `(x W_g) . c_k / tau` (the flag the
+    spec asks for beside the cosine default); the layer's assignment is the reference Sinkhorn of those scores."""
+    config = AttentionConfig(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
+                             focus_dim=8, focus_window=2, focus_normalize=normalize)
+    layer = Attention(config, rngs=nnx.Rngs(0))
+    layer.w_g[...] = 3.0 * layer.w_g[...]  # raw scores of another scale than the cosine ones
+    x = jax.random.normal(jax.random.key(3), (2, 12, 16))
+    with record_attention() as records:
+        layer(x, positions=jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    scores = {n: reference.routing_scores(x, layer.w_g[...], layer.centroids[...], tau=0.1, normalize=n)
+              for n in (True, False)}
+    np.testing.assert_allclose(records[0]["g"], reference.sinkhorn(scores[normalize]), atol=1e-5)
+    assert not np.allclose(records[0]["g"], reference.sinkhorn(scores[not normalize]), atol=1e-2)
+    model = retrofit(_llama(), FocusConfig(groups=4, dim=8, window=4, normalize=normalize))
+    assert {layer.self_attn.config.focus_normalize for layer in model.layers} == {normalize}
+    with pytest.raises(ValueError, match="FocusConfig: normalize must be a bool, got normalize=1"):
+        FocusConfig(groups=4, dim=8, window=4, normalize=1)
+
+
 def test_softmax_assignment_rows_are_the_softmax_of_the_scores():
     config = AttentionConfig(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
                              focus_dim=8, focus_window=2, focus_assign="softmax")

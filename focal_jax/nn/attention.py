@@ -152,6 +152,8 @@ class AttentionConfig:
     focus_assign: how the Focus kinds turn routing scores into the assignment g: 'sinkhorn' (default, the paper's
       balanced assignment) | 'softmax' (a softmax over the K scores of each token, no balancing: the collapse
       baseline of FOCUS_SPEC section 7; pair it with the trainer's `balance_weight`).
+    focus_normalize: the routing scores (`routing_scores(normalize=...)`, FOCUS_SPEC OQ-2): True (default) the
+      cosine of `x W_g` and each centroid, / focus_tau | False the raw dot product / focus_tau.
     window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
       `0 <= i - j <= window` (Hugging Face's `sliding_window` is window + 1). None = full causal attention.
     """
@@ -180,6 +182,7 @@ class AttentionConfig:
     focus_topk: int | None = None
     focus_causal: bool = False
     focus_assign: str = "sinkhorn"
+    focus_normalize: bool = True
     tau_mode: str = "prefix"
     tau_clip: str = "hard"
     tau_granularity: str = "layer"
@@ -199,7 +202,7 @@ class AttentionConfig:
         _int("focus_window", self.focus_window, 0)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
-        for name in ("qkv_bias", "out_bias", "focus_causal", "tau_bias"):
+        for name in ("qkv_bias", "out_bias", "focus_causal", "focus_normalize", "tau_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         _choice("qk_norm", self.qk_norm, QK_NORMS)
@@ -487,7 +490,7 @@ class Attention(nnx.Module):
         if c.kind in FOCUS_KINDS:
             # Causal Sinkhorn over every cached token's scores: token i's row depends only on tokens <= i, so the
             # cached tokens keep the groups they had, and the new rows equal the full-sequence forward's.
-            scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
+            scores = self._routing_scores(x)
             new["scores"] = all_scores = jax.lax.dynamic_update_slice(cache["scores"], scores, (0, index, 0))
             g = _assign(c, all_scores, causal=True)
             membership = fa.topk_membership(g, c.focus_topk)  # [B, S, K]
@@ -495,6 +498,11 @@ class Attention(nnx.Module):
             mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership))
         multiplier = _validate.logit_multiplier(q, scale, temperature)
         return attend(attention_logits(q, k_all, multiplier, c.softcap), v_all, mask), new
+
+    def _routing_scores(self, x):
+        """The Focus routing scores `[B, T, K]` (float32) of the attention input `x [B, T, d_model]`."""
+        c = self.config
+        return fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau, normalize=c.focus_normalize)
 
     def _tau_bias(self):
         """`tau_bias` (its value), or 0 without one (`tau_bias=False`)."""
@@ -531,7 +539,7 @@ class Attention(nnx.Module):
         # Focus: route on the attention input, balanced by Sinkhorn (or a plain softmax), then soft gate or hard
         # top-k mask.
         temperature = c.focal_t if c.kind == "focal+focus" else 1.0
-        scores = fa.routing_scores(x, self.w_g[...], self.centroids[...], tau=c.focus_tau)
+        scores = self._routing_scores(x)
         g = _assign(c, scores, segment_ids=segment_ids, causal=c.focus_causal)
         if record is not None:
             record["g"] = g

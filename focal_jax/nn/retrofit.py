@@ -70,7 +70,8 @@ class FocusConfig:
     `window` w (key j is local to query i iff 0 <= i - j <= w), routing temperature `tau`, Sinkhorn `iters`,
     soft `gate` ('paper' | 'log') with sharpness `lam`, hard top-k membership when `topk` is set (None: soft gate),
     `causal` routing (prefix column sums), `assign` ('sinkhorn', the paper's; 'softmax': the unbalanced collapse
-    baseline). Fields mean `AttentionConfig.focus_*`; checked at construction."""
+    baseline), `normalize` (cosine routing scores, the default; False: raw dot products). Fields mean
+    `AttentionConfig.focus_*`; checked at construction."""
 
     groups: int
     dim: int
@@ -82,6 +83,7 @@ class FocusConfig:
     topk: int | None = None
     causal: bool = False
     assign: str = "sinkhorn"
+    normalize: bool = True
 
     def __post_init__(self):
         plain_numbers(self)
