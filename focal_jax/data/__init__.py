@@ -21,7 +21,7 @@ from focal_jax.data.tokenizer import (Tokenizer, cached_tokenizer, copy_tokenize
                                       train_tokenizer, workdir_tokenizer)
 
 __all__ = [
-    "Data", "DataConfig", "Example", "Tokenizer", "build_data", "builtin_corpus", "cached_tokenizer", "copy_tokenizer",
-    "encode_documents", "load_tokenizer", "make_examples", "merge_documents", "pack", "read_documents", "score", "tokenizer_file",
-    "train_iterator", "train_tokenizer", "workdir_tokenizer",
+    "Data", "DataConfig", "Example", "Tokenizer", "build_data", "builtin_corpus", "cached_tokenizer",
+    "copy_tokenizer", "encode_documents", "load_tokenizer", "make_examples", "merge_documents", "pack",
+    "read_documents", "score", "tokenizer_file", "train_iterator", "train_tokenizer", "workdir_tokenizer",
 ]
