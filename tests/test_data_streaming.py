@@ -181,10 +181,12 @@ def resume_setup(tmp_path, tokenizer_path, **overrides):
     return config(pattern, None, **{**settings, **overrides})
 
 
-def test_resume_is_exact_at_every_step(tmp_path, tokenizer_path):
+@pytest.mark.parametrize("doc_mask", [True, False])
+def test_resume_is_exact_at_every_step(tmp_path, tokenizer_path, doc_mask):
     """Stop after step k (JSON state), rebuild everything, resume: the next batches equal the uninterrupted run's,
-    for every k over three epochs: in the middle of a document, of a shuffle window, of a file, at an epoch end."""
-    cfg = resume_setup(tmp_path, tokenizer_path)
+    for every k over three epochs: in the middle of a document, of a shuffle window, of a file, at an epoch end
+    (`doc_mask=False` too: its rows are mapped by `merge_documents`, which must keep the stream's state)."""
+    cfg = dataclasses.replace(resume_setup(tmp_path, tokenizer_path), doc_mask=doc_mask)
     it = train_iterator(build(cfg, seed=5))
     batches, states = [], [json.loads(json.dumps(it.get_state()))]
     while max(p["epoch"] for p in states[-1]["positions"]) < 3:
