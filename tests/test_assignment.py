@@ -146,9 +146,9 @@ def test_the_residual_stream_feeds_tau_with_tau_input_residual():
                                              bias=float(layer.tau_bias[...]))
         np.testing.assert_allclose(records[0]["tau"], want, atol=1e-5)
     assert float(jnp.max(jnp.abs(normed_records[0]["tau"] - residual_records[0]["tau"]))) > 0.1
+    layer = residual.layers[0].self_attn
     with pytest.raises(ValueError, match="tau_input='residual' computes tau from the residual stream: pass "
                                          "residual"):
-        layer = residual.layers[0].self_attn
         layer(embeddings, positions=jnp.broadcast_to(jnp.arange(12), (2, 12)))
 
 
