@@ -238,6 +238,27 @@ def test_plot_losses_two_workdirs(tmp_path):
         plot.plot_losses([str(tmp_path / "a"), str(tmp_path / "b")], out, labels=["x"])
 
 
+def test_default_panels_add_dominance_and_tau_per_layer_and_patterns_match_in_layer_order(tmp_path):
+    """Without metrics, a Focus run's plot has its dominance and a learned temperature's its tau per layer
+    (FOCAL_SPEC OQ-F4: 'always log per-layer tau and the fraction of clipped values'); a pattern panel has one line
+    per matching metric, in layer order."""
+    _fake_run(tmp_path / "plain", 1.0)
+    with M.MetricWriter(str(tmp_path / "learned"), enabled=True) as w:
+        for step in (10, 20):
+            w.write(step, {"loss": 3.0 / step}, kind="train")
+            w.write(step, {"loss": 4.0 / step, "dominance": 0.3, "tau": 7.0, "tau_clipped": 0.1,
+                           **{f"tau/layer_{i}": 7.0 + i / 10 for i in range(12)},
+                           **{f"tau_clipped/layer_{i}": 0.01 * i for i in range(12)}}, kind="eval")
+    learned, plain = (M.read_metrics(str(tmp_path / name)) for name in ("learned", "plain"))
+    assert plot.default_panels([learned]) == ["loss", "dominance", "tau/layer_*", "tau_clipped/layer_*"]
+    assert plot.default_panels([learned, plain]) == ["loss"]  # panels every run can fill
+    assert plot._matching(learned, "tau/layer_*") == [f"tau/layer_{i}" for i in range(12)]  # 2 before 10, no 'tau'
+    assert plot._matching(learned, "tau") == ["tau"] and plot._matching(plain, "tau/layer_*") == []
+    _assert_png(plot.plot_losses([str(tmp_path / "learned")], str(tmp_path / "learned.png")))
+    with pytest.raises(ValueError, match=r"plain' has no 'tau/layer_\*' records"):
+        plot.plot_losses([str(tmp_path / "plain")], str(tmp_path / "x.png"), metrics=["loss", "tau/layer_*"])
+
+
 def test_plot_cli(tmp_path, capsys):
     _fake_run(tmp_path / "a", 1.0)
     _fake_run(tmp_path / "b", 2.0)

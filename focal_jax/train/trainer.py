@@ -758,6 +758,7 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         # package has already imported the module it is about to run.
         from focal_jax.train.plot import plot_losses
 
+        # (the loss, and a Focus run's dominance or a learned temperature's tau per layer: `default_panels`)
         log(f"loss curve: {plot_losses([workdir], os.path.join(workdir, 'loss.png'))}")
     return logged
 
