@@ -16,7 +16,7 @@ from focal_jax.nn.attention import Attention, AttentionConfig, check_decodable, 
 from focal_jax.nn.llama import Llama, focal_config
 from focal_jax.nn.retrofit import FocalConfig, FocusConfig, retrofit
 from focal_jax.train import train
-from focal_jax.train.config import config_differences
+from focal_jax.train.config import check_config, config_differences
 from focal_jax.train.metrics import read_metrics
 from focal_jax.train.optimizer import OptimConfig, make_optimizer, split_trainable
 from focal_jax.train.trainer import balance_loss, group_counts, make_steps, real_token_mask, routing_param_paths
@@ -337,6 +337,11 @@ def test_two_steps_with_balance_loss_log_dominance(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in train_records)
     evals = [r for r in records if r["kind"] == "eval"]
     assert len(evals) == 1 and 0.25 <= evals[0]["dominance"] <= evals[0]["dominance_max"] <= 1.0
+    n_layers = check_config(config).model.n_layers
+    layers = [evals[0][f"dominance/layer_{i}"] for i in range(n_layers)]  # each layer's, their mean and max
+    assert n_layers == 2 and f"dominance/layer_{n_layers}" not in evals[0]
+    np.testing.assert_allclose([np.mean(layers), np.max(layers)], [evals[0]["dominance"], evals[0]["dominance_max"]],
+                               rtol=1e-6)
 
 
 def test_balance_weight_key_is_checked_and_old_configs_resume():

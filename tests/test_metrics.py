@@ -246,11 +246,12 @@ def test_default_panels_add_dominance_and_tau_per_layer_and_patterns_match_in_la
     with M.MetricWriter(str(tmp_path / "learned"), enabled=True) as w:
         for step in (10, 20):
             w.write(step, {"loss": 3.0 / step}, kind="train")
-            w.write(step, {"loss": 4.0 / step, "dominance": 0.3, "tau": 7.0, "tau_clipped": 0.1,
-                           **{f"tau/layer_{i}": 7.0 + i / 10 for i in range(12)},
+            w.write(step, {"loss": 4.0 / step, "dominance": 0.3, "dominance/layer_0": 0.3, "tau": 7.0,
+                           "tau_clipped": 0.1, **{f"tau/layer_{i}": 7.0 + i / 10 for i in range(12)},
                            **{f"tau_clipped/layer_{i}": 0.01 * i for i in range(12)}}, kind="eval")
     learned, plain = (M.read_metrics(str(tmp_path / name)) for name in ("learned", "plain"))
-    assert plot.default_panels([learned]) == ["loss", "dominance", "tau/layer_*", "tau_clipped/layer_*"]
+    assert plot.default_panels([learned]) == ["loss", "dominance/layer_*", "tau/layer_*", "tau_clipped/layer_*"]
+    assert plot.default_panels([[{"loss": 1.0, "dominance": 0.5}]]) == ["loss", "dominance"]  # (before 0.6.23)
     assert plot.default_panels([learned, plain]) == ["loss"]  # panels every run can fill
     assert plot._matching(learned, "tau/layer_*") == [f"tau/layer_{i}" for i in range(12)]  # 2 before 10, no 'tau'
     assert plot._matching(learned, "tau") == ["tau"] and plot._matching(plain, "tau/layer_*") == []

@@ -5,8 +5,8 @@
 One panel per metric (side by side), one colour per workdir; train records are solid lines, eval records (and any
 other kind) dashed with markers. The legend gives each line's last value (and, for the loss, its perplexity
 exp(loss)). A metric with a ``*`` is a pattern: its panel has a line per matching metric, e.g. ``tau/layer_*``.
-Without metrics: the loss and, where every run holds them, the Focus ``dominance`` and the learned temperature per
-layer (``tau/layer_*``, ``tau_clipped/layer_*``; `default_panels`). The trainer calls
+Without metrics: the loss and, where every run holds them, the Focus dominance and the learned temperature per
+layer (``dominance/layer_*``, ``tau/layer_*``, ``tau_clipped/layer_*``; `default_panels`). The trainer calls
 ``plot_losses([workdir], workdir + '/loss.png')`` at the end of a run.
 
 Rendering uses a bare ``Figure`` on the Agg canvas, not pyplot: no global backend is switched, so importing this in
@@ -33,12 +33,15 @@ _MARKERS = "osD^v<>"
 
 def default_panels(runs: Sequence[list[dict]]) -> list[str]:
     """The panels `plot_losses` draws without `metrics`, for the records of each run (`read_metrics`): 'loss', then
-    'dominance' (Focus) and 'tau/layer_*', 'tau_clipped/layer_*' (a learned temperature) where every run has them."""
+    'dominance/layer_*' (Focus; 'dominance', the mean over layers, for runs stored before 0.6.23) and 'tau/layer_*',
+    'tau_clipped/layer_*' (a learned temperature) where every run has them."""
     def every_run_has(name):
         return all(any(name in r for r in records) for records in runs)
 
     panels = ["loss"]
-    if every_run_has("dominance"):
+    if every_run_has("dominance/layer_0"):
+        panels.append("dominance/layer_*")
+    elif every_run_has("dominance"):
         panels.append("dominance")
     if every_run_has("tau/layer_0"):
         panels += ["tau/layer_*", "tau_clipped/layer_*"]

@@ -388,10 +388,10 @@ def make_steps(graphdef, tx, compute_dtype, *, balance_weight: float = 0.0, keep
 
 def evaluate(eval_step, trainable, frozen, batches, mesh) -> dict:
     """Held-out loss (mean over target tokens) and perplexity; for Focus models also `dominance` (share of real
-    tokens in the largest group, argmax of g, mean over layers; 1/K is perfect balance) and `dominance_max` (the
-    worst layer); for a learned temperature (FOCAL_SPEC OQ-F4) `tau` and `tau_clipped` (the mean tau of the real
-    tokens and the share of them at tau_min or tau_max, where the hard clip passes no gradient; means over the
-    layers) and the same per layer, `tau/layer_i` and `tau_clipped/layer_i`."""
+    tokens in the largest group, argmax of g, mean over layers; 1/K is perfect balance), `dominance_max` (the
+    worst layer) and each layer's, `dominance/layer_i`; for a learned temperature (FOCAL_SPEC OQ-F4) `tau` and
+    `tau_clipped` (the mean tau of the real tokens and the share of them at tau_min or tau_max, where the hard clip
+    passes no gradient; means over the layers) and the same per layer, `tau/layer_i` and `tau_clipped/layer_i`."""
     total, count, counts, taus = 0.0, 0.0, None, None
     for batch in batches:
         t, c, n, s = eval_step(trainable, frozen, shard_batch(batch, mesh))
@@ -407,6 +407,7 @@ def evaluate(eval_step, trainable, frozen, batches, mesh) -> dict:
     if counts is not None:
         dominance = counts.max(axis=1) / np.maximum(counts.sum(axis=1), 1)
         result.update(dominance=float(dominance.mean()), dominance_max=float(dominance.max()))
+        result.update({f"dominance/layer_{i}": float(d) for i, d in enumerate(dominance)})
     if taus is not None:
         real = np.maximum(taus[:, 3], 1.0)
         tau, clipped = taus[:, 0] / real, (taus[:, 1] + taus[:, 2]) / real
