@@ -620,14 +620,14 @@ def test_doc_mask_false_trains_each_row_as_one_sequence_and_is_kept_on_resume(tm
     """`data.doc_mask=False` (FOCAL_SPEC OQ-F9): the tokens of a row attend across its documents, so the first
     step's loss (the same initial model, the same tokens and targets) differs from the masked run's; a resume must
     keep the setting."""
-    def config(**overrides):  # short documents, several to a row
+    def synthetic_run(**data):  # short documents, several to a row
         c = tiny(cache_dir, total_steps=1, eval_batches=1)
-        c.data.update(source="synthetic", n_synthetic=300, **overrides)
+        c.data.update(source="synthetic", n_synthetic=300, **data)
         return c
 
     masked, merged = str(tmp_path / "masked"), str(tmp_path / "merged")
-    train(config(), masked)
-    config = config(doc_mask=False)
+    train(synthetic_run(), masked)
+    config = synthetic_run(doc_mask=False)
     train(config, merged)
     assert losses(masked)[1] != losses(merged)[1]
     [masked_eval], [merged_eval] = read_metrics(masked, kind="eval"), read_metrics(merged, kind="eval")
