@@ -140,14 +140,15 @@ def base_run(workdir: str) -> dict:
 
 
 def check_base_kind(init_from: str, kinds: tuple, argument: str) -> dict:
-    """The stored model section of the run `init_from` (family llama), after a ValueError unless its attention
-    kind is one of `kinds` (what `argument`, e.g. 'variant=focal', says the base run is)."""
-    model = base_run(init_from)["model"]
+    """The stored config (`base_run`) of the run `init_from` (family llama), after a ValueError unless its
+    attention kind is one of `kinds` (what `argument`, e.g. 'variant=focal', says the base run is)."""
+    base = base_run(init_from)
+    model = base["model"]
     kind = dict(model.get("attn") or {}).get("kind", "dense")
     if model.get("family", "llama") != "llama" or kind not in kinds:
         raise ValueError(f"init_from={init_from!r} is a {model.get('family', 'llama')} run with attention "
                          f"kind={kind!r}, but {argument} starts from a LLaMA run with kind in {kinds}")
-    return model
+    return base
 
 
 def norm_eps_of(model: dict) -> float:

@@ -35,17 +35,16 @@ def get_config(arg=None):
         raise ValueError("focal_adapt needs init_from=WORKDIR (the baseline run to adapt, e.g. "
                          "/runs/focal_tokens/baseline)")
     common.check_positive("t", arg.t)
-    base_model = common.check_base_kind(arg.init_from, ("dense",), "focal_adapt (a baseline, t = 1, switched to t)")
+    base = common.check_base_kind(arg.init_from, ("dense",), "focal_adapt (a baseline, t = 1, switched to t)")
     attn = {"kind": "dense"} if arg.t == 1.0 else {"kind": "focal", "focal_t": arg.t}
     config = common.focal_pretraining(arg.size, {**attn, "impl": arg.impl}, steps=5000, lr=5e-5)
-    config.model.norm_eps = common.norm_eps_of(base_model)
-    config.data.doc_mask = common.doc_mask_of(common.base_run(arg.init_from))
+    config.model.norm_eps = common.norm_eps_of(base["model"])
+    config.data.doc_mask = common.doc_mask_of(base)
     config.init_from = arg.init_from
     config.data.tokenizer = common.run_tokenizer(arg.init_from)
     config.optim.update(warmup_steps=100, final_lr_fraction=1.0)
     config.eval_every = config.ckpt_every = 1000
     common.set_data(config, arg.data)
     if arg.runlocal:  # the base run's own (small) model
-        model = common.base_run(arg.init_from)["model"]
-        config = common.runlocal(config, model={**model, "attn": {**attn, "impl": "xla"}})
+        config = common.runlocal(config, model={**base["model"], "attn": {**attn, "impl": "xla"}})
     return config

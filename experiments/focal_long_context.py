@@ -61,13 +61,13 @@ def get_config(arg=None):
                          "/runs/focal_tokens/focal)")
     common.check_choice("variant", arg.variant, ("baseline", "focal"))
     # The base run's own variant: a baseline extended as 'focal' (or the reverse) would change its attention too.
-    base_model = common.check_base_kind(arg.init_from, (common.FOCAL_VARIANTS[arg.variant]["kind"],),
-                                        f"variant={arg.variant}")
+    base = common.check_base_kind(arg.init_from, (common.FOCAL_VARIANTS[arg.variant]["kind"],),
+                                  f"variant={arg.variant}")
     attn = {**common.FOCAL_VARIANTS[arg.variant], "impl": arg.impl}
     config = common.focal_pretraining("2.7B", attn, seq_len=32768, batch_tokens=common.FOCAL_LARGE_BATCH_TOKENS,
                                       steps=2385, lr=2e-5)
-    config.model.norm_eps = common.norm_eps_of(base_model)
-    config.data.doc_mask = common.doc_mask_of(common.base_run(arg.init_from))
+    config.model.norm_eps = common.norm_eps_of(base["model"])
+    config.data.doc_mask = common.doc_mask_of(base)
     config.model.update(rope_theta=500_000.0, remat=True)
     config.init_from = arg.init_from
     config.data.tokenizer = common.run_tokenizer(arg.init_from)
@@ -75,7 +75,6 @@ def get_config(arg=None):
     config.eval_every = config.ckpt_every = 500
     common.set_data(config, arg.data)
     if arg.runlocal:  # the base run's own (small) model
-        model = common.base_run(arg.init_from)["model"]
-        model = {**model, "attn": {**attn, "impl": "xla"}, "rope_theta": 500_000.0}
+        model = {**base["model"], "attn": {**attn, "impl": "xla"}, "rope_theta": 500_000.0}
         config = common.runlocal(config, model=model)
     return config

@@ -29,7 +29,7 @@ def get_config(arg=None):
     config.init_from = arg.init_from or None
     if arg.init_from:  # its model, routed by its centroids; its weights were trained on that run's token ids
         base_model = common.check_base_kind(arg.init_from, ("focus", "focal+focus"),
-                                            "focus_sparse (routing by a soft-gate Focus run's centroids)")
+                                            "focus_sparse (routing by a soft-gate Focus run's centroids)")["model"]
         config.model = {**base_model, "attn": {**dict(base_model.get("attn") or {}), "impl": "pallas",
                                                "focus_topk": arg.topk}}
         config.data.tokenizer = common.run_tokenizer(arg.init_from)
