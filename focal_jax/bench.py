@@ -53,13 +53,14 @@ each one computes (4 D FLOPs per pair forward, 2.5 times that backward).
 (1.3M parameters, B = 16, T = 128) with each attention kind side by side, and for GPT-2 124M (B = 1, T = 512),
 full training and a Focus retrofit that trains the centroids only. Median of ``--repeats`` steps after one warm-up.
 
-``attention``: for each T (B = 1, H = 8, D = 64, float32, this machine's default backend) it times the forward pass
-of dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
+``attention``: for each T (B = 1, H = 8, D = 64, float32, this machine's default backend) it times the forward pass of
+dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
 (``impl='decomposed'``, K = 8, w = 128, top-1 membership from ``sinkhorn(routing_scores(h))`` on structured random
 hidden states, so groups are as (im)balanced as Sinkhorn leaves them; ``max_groups=1``, and the same call without it,
-whose group-sorted arrays hold K * T entries, as a row of its own), plus the routing itself
-(``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed too, as a
-baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
+whose group-sorted arrays hold K * T entries, and with an attention sink of 4 tokens, without segment ids and with one
+segment, which gathers each query's sink keys (``focal_jax.attention.sink``), as rows of their own), plus the routing
+itself (``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed
+too, as a baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
 
 * time: median of ``--repeats`` jitted forward calls after one warm-up call, ``block_until_ready``. The calls of one
   length are timed round-robin (one call of each per round), so load drift on a shared machine hits all alike;
@@ -97,6 +98,7 @@ REFERENCE = "jax.nn.dot_product_attention (xla)"
 BLOCKWISE = "blockwise causal (decomposed, K=1)"
 SOFT = f"Focus soft (K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, gate=paper)"
 ROUTING = "routing (routing_scores + sinkhorn)"
+SINK = 4  # the attention sink of the sink row (StreamingLLM's)
 HEADERS = ["T", "variant", "time (ms)", "speedup vs dense", "theoretical (1/pairs)", "achieved / theoretical",
            "peak memory (MiB)", "notes"]
 
@@ -135,11 +137,21 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
     variants.append(_inputs.Variant(f"{top1.name[:-1]}, K * T entries)", functools.partial(
         attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed", block_size=args.block_size),
         top1.extra, top1.membership))
+    # The same top-1 Focus with an attention sink: the fast path plus set C (each document's first tokens), merged
+    # outside it (`focal_jax.attention.sink`); without segment ids its keys are a slice, with them (here one segment,
+    # so the pairs are the same) they are gathered per query.
+    one_segment = jax.numpy.zeros(g.shape[:2], jax.numpy.int32)
+    for name, segment_ids in ((f"sink {SINK}", None), (f"sink {SINK}, segment ids", one_segment)):
+        variants.append(_inputs.Variant(f"{top1.name[:-1]}, {name})", functools.partial(
+            attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed", block_size=args.block_size,
+            max_groups=1, sink=SINK, segment_ids=segment_ids), top1.extra, top1.membership))
     entries = []
     for variant in variants:
         entry = Entry(variant.name, variant.fn, (x.q, x.k, x.v, *variant.extra), membership=variant.membership)
         if variant.membership is not None:
             allowed, causal = _inputs.count_focus_pairs(variant.membership, _inputs.WINDOW)
+            if "sink" in variant.name:  # at most SINK more per query: an upper bound
+                allowed += SINK * seq_len
             entry.pair_fraction = allowed / causal
             entry.note = f"pair fraction {entry.pair_fraction:.3f}, group sizes {_group_sizes(variant.membership)}"
         entries.append(entry)
@@ -666,9 +678,8 @@ def run_plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
         a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
         b_blocks = 0
         for query_block in range(-(-seq_len // band_block)):
-            sink_end, start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=0,
-                                                                       block=band_block))
-            b_blocks += sink_end + end - start + 1
+            start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, block=band_block))
+            b_blocks += end - start + 1
         split = a_blocks * block ** 2 + b_blocks * band_block ** 2
         group = np.argmax(np.asarray(membership[0]), axis=-1)
         fused = (a_blocks + _fused_pass_extra_blocks(group, window, block)) * block ** 2

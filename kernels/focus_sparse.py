@@ -6,8 +6,11 @@ The allowed pairs of `focal_jax.attention.focus_mask` split as in `focal_jax.att
   A. same-group causal pairs, each counted once in the lowest group the two tokens share, computed on the
      (group, position)-sorted *entries* (one per token and group it belongs to): query entry block `i` visits the
      contiguous key-block range `[first_key_block[i], i]` (the start of its first entry's group up to itself);
-  B. cross-group local pairs (and, with a sink, cross-group pairs with the first `sink` keys), computed in token
-     order: query block `i` visits the key blocks of `[i * block - window, (i + 1) * block)` plus the sink blocks.
+  B. cross-group local pairs, computed in token order: query block `i` visits the key blocks of
+     `[i * block - window, (i + 1) * block)`.
+
+With an attention sink, the pairs it adds outside the window and the groups (at most `sink` per query) are computed
+by `focal_jax.attention.sink.with_sink` in XLA and merged with the kernels' output by its log-sum-exp.
 
 Each kernel program owns one block of one head and walks the blocks it pairs with, with an online softmax in the
 forward pass; the two sets are merged per token by log-sum-exp (on GPUs with one entry per token inside set B's
@@ -57,6 +60,7 @@ from jax.experimental.pallas import triton as plt
 from focal_jax._axes import shape_like, vary_like, varying_axes
 from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
+from focal_jax.attention.sink import check_fast_sink, with_sink
 from focal_jax.kernels.partition import per_shard
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
@@ -139,20 +143,16 @@ def _div(a, b):
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
-def band_key_blocks(query_block, *, window: int, sink: int, block: int):
-    """Set B's key blocks of query block `query_block`: `(sink_end, band_start, band_end)`, visiting sink blocks
-    `[0, sink_end)` and band blocks `[band_start, band_end]` (`sink_end <= band_start`)."""
-    band_start = _div(jnp.maximum(query_block * block - window, 0), block)
-    sink_end = jnp.minimum(-(-sink // block), band_start)
-    return sink_end, band_start, query_block
+def band_key_blocks(query_block, *, window: int, block: int):
+    """Set B's key blocks of query block `query_block`: `(band_start, band_end)`, visiting `[band_start,
+    band_end]`."""
+    return _div(jnp.maximum(query_block * block - window, 0), block), query_block
 
 
-def band_query_blocks(key_block, n_blocks, *, window: int, sink: int, block: int):
+def band_query_blocks(key_block, n_blocks, *, window: int, block: int):
     """The query blocks whose set-B pass visits `key_block`: `[key_block, last]` (the transpose of
-    `band_key_blocks`; every query block from `key_block` on for a sink block)."""
-    band_last = _div((key_block + 1) * block + window - 1, block)
-    is_sink = key_block < -(-sink // block)
-    return key_block, jnp.where(is_sink, n_blocks - 1, jnp.minimum(band_last, n_blocks - 1))
+    `band_key_blocks`)."""
+    return key_block, jnp.minimum(_div((key_block + 1) * block + window - 1, block), n_blocks - 1)
 
 
 # ------------------------------------------------------------------------------------------------ kernel pieces
@@ -253,13 +253,13 @@ def _group_masked(s, query_side, key_side, info, query_block, key_block):
     return jax.lax.cond(_is_full(info, query_block, key_block), lambda s: s, masked, s)
 
 
-def _band_masked(s, query_side, key_side, query_pos, key_pos, window, sink, n_tokens):
-    """Set B's scores `s` of one block pair, NEG_INF where not allowed: causal, local or a sink key, real, same
-    segment, no group shared; `query_side` and `key_side` = (segment, words) `_Vectors`, positions from
-    `_positions` (either orientation, as `_group_masked`)."""
+def _band_masked(s, query_side, key_side, query_pos, key_pos, window, n_tokens):
+    """Set B's scores `s` of one block pair, NEG_INF where not allowed: causal, local, real, same segment, no group
+    shared; `query_side` and `key_side` = (segment, words) `_Vectors`, positions from `_positions` (either
+    orientation, as `_group_masked`)."""
     (query_segment, query_words), (key_segment, key_words) = query_side, key_side
     distance = query_pos - key_pos
-    allowed = ((distance >= 0) & ((distance <= window) | (key_pos < sink)) & (query_pos < n_tokens)
+    allowed = ((distance >= 0) & (distance <= window) & (query_pos < n_tokens)
                & (key_pos < n_tokens) & (query_segment[0] == key_segment[0]) & ~_shares(query_words, key_words))
     return jnp.where(allowed, s, NEG_INF)
 
@@ -352,7 +352,7 @@ def _group_kernel(first, info, q_ids, q_lower, q, k, v, k_ids, k_words, o, lse, 
     _finish(_walk(first[i], i + 1, step, _empty_carry(*o.shape), (k, v, k_ids, k_words)), o, lse)
 
 
-def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, sink, n_tokens,
+def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, block, window, n_tokens,
                  scale, softcap, set_a=()):
     """Set B forward for one query token block of one head; with `set_a` (`_after_set_a`) merged with set A's
     results of the same tokens (`_with_entries`)."""
@@ -363,13 +363,11 @@ def _band_kernel(q_segment, q_words, q, k, v, k_segment, k_words, o, lse, *, blo
         k_j, v_j, k_segment_j, k_words_j = blocks
         key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
         s = _band_masked(_scores(q_block, k_j[...], scale, softcap), (q_segment, q_words), key_side, q_pos,
-                         _positions(j, block, own=False), window, sink, n_tokens)
+                         _positions(j, block, own=False), window, n_tokens)
         return _online(carry, s, v_j[...])
 
-    walked = (k, v, k_segment, k_words)
-    sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    carry = _walk(0, sink_end, step, _empty_carry(*o.shape), walked)
-    carry = _walk(band_start, band_end + 1, step, carry, walked)
+    band_start, band_end = band_key_blocks(i, window=window, block=block)
+    carry = _walk(band_start, band_end + 1, step, _empty_carry(*o.shape), (k, v, k_segment, k_words))
     _finish(_with_entries(carry, *set_a) if set_a else carry, o, lse)
 
 
@@ -459,8 +457,8 @@ def _group_dkv_kernel(last, info, k_ids, k_words, k, v, q, do, lse, delta, q_ids
     dk[...], dv[...] = _scaled(dk_block, _number(scale)).astype(dk.dtype), dv_block.astype(dv.dtype)
 
 
-def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, sink,
-                    n_tokens, scale, softcap, set_a=(), d_scale=None):
+def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_words, dq, *, block, window, n_tokens,
+                    scale, softcap, set_a=(), d_scale=None):
     """Set B: dq of one query token block of one head; with `set_a` (`_after_set_a`) plus set A's; with a
     per-query multiplier also its gradient (of set B's pairs, `d_scale`)."""
     i = pl.program_id(2)
@@ -471,18 +469,17 @@ def _band_dq_kernel(q_segment, q_words, q, do, lse, delta, k, v, k_segment, k_wo
         k_j, v_j, k_segment_j, k_words_j = blocks
         key_side = (_walked_vectors(k_segment_j), _walked_vectors(k_words_j))
         masked = lambda s: _band_masked(s, (q_segment, q_words), key_side, q_pos, _positions(j, block, own=False),
-                                        window, sink, n_tokens)
+                                        window, n_tokens)
         return _dq_step(q_block, do_block, lse_block, delta_block, k_j, v_j, masked, scale, softcap, acc)
 
-    walked = (k, v, k_segment, k_words)
-    sink_end, band_start, band_end = band_key_blocks(i, window=window, sink=sink, block=block)
-    acc = _walk(0, sink_end, step, jnp.zeros(dq.shape, jnp.float32), walked)
-    acc = _store_gradients(_walk(band_start, band_end + 1, step, acc, walked), q_block, scale, d_scale)
+    band_start, band_end = band_key_blocks(i, window=window, block=block)
+    acc = _walk(band_start, band_end + 1, step, jnp.zeros(dq.shape, jnp.float32), (k, v, k_segment, k_words))
+    acc = _store_gradients(acc, q_block, scale, d_scale)
     dq[...] = (_plus(acc, *set_a) if set_a else acc).astype(dq.dtype)
 
 
 def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_words, dk, dv, *, block, window,
-                     sink, n_tokens, n_blocks, scale, softcap, set_a=()):
+                     n_tokens, n_blocks, scale, softcap, set_a=()):
     """Set B: dk, dv of one key token block from one query head; with `set_a` (`_after_set_a`) plus set A's."""
     j = pl.program_id(2)
     k_block, v_block, k_pos = k[...], v[...], _positions(j, block, own=True)
@@ -491,11 +488,11 @@ def _band_dkv_kernel(k_segment, k_words, k, v, q, do, lse, delta, q_segment, q_w
         q_i, do_i, lse_i, delta_i, q_segment_i, q_words_i, *scale_i = blocks
         query_side = (_walked_vectors(q_segment_i), _walked_vectors(q_words_i))
         masked = lambda s: _band_masked(s, query_side, (k_segment, k_words), _positions(i, block, own=False), k_pos,
-                                        window, sink, n_tokens)
+                                        window, n_tokens)
         return _dkv_step(k_block, v_block, q_i, do_i, lse_i, delta_i, scale_i[0][...] if scale_i else scale, masked,
                          softcap, carry)
 
-    first, last = band_query_blocks(j, n_blocks, window=window, sink=sink, block=block)
+    first, last = band_query_blocks(j, n_blocks, window=window, block=block)
     zeros = (jnp.zeros(dk.shape, jnp.float32), jnp.zeros(dv.shape, jnp.float32))
     walked = (q, do, lse, delta, q_segment, q_words, *_walked_scale(scale))
     dk_block, dv_block = _walk(first, last + 1, step, zeros, walked)
@@ -519,7 +516,6 @@ class Settings(NamedTuple):
     block: int       # set A's query and key blocks (entries)
     band_block: int  # set B's query and key blocks (tokens)
     window: int
-    sink: int
     softcap: float | None
     scale: float | None  # the multiplier of every logit when it is a number; None: per query and head, an operand
     n_tokens: int
@@ -937,7 +933,7 @@ def _group_forward(q, k, v, m, p: Plan, s: Settings):
 
 
 def _band_kwargs(s: Settings):
-    return dict(block=s.band_block, window=s.window, sink=s.sink, n_tokens=s.n_tokens, **_logit_kwargs(s))
+    return dict(block=s.band_block, window=s.window, n_tokens=s.n_tokens, **_logit_kwargs(s))
 
 
 def _band_forward(q, k, v, m, p: Plan, s: Settings, set_a=()):
@@ -993,13 +989,13 @@ def _attention_fwd(q, k, v, m, p: Plan, s: Settings):
         out_b, lse_b = _band_forward(q, k, v, m, p, s) if s.band else empty(tp)
         out, lse = _merge(p, s, out_a, lse_a, out_b, lse_b)
         out = out.astype(v.dtype)
-    return out, (q, k, v, m, p, out, lse)
+    return (out, lse), (q, k, v, m, p, out, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, m, p: Plan, settings: Settings):
-    """Attention of the plan `p` -> `[B, T, H, Dv]`; `m`: the multiplier per query and head `[B, T, H]` (float32),
-    or None when `settings.scale` holds it."""
+    """Attention of the plan `p` -> (out `[B, T, H, Dv]`, its log-sum-exp `[B, T, H]` float32); `m`: the
+    multiplier per query and head `[B, T, H]` (float32), or None when `settings.scale` holds it."""
     return _attention_fwd(q, k, v, m, p, settings)[0]
 
 
@@ -1100,10 +1096,13 @@ def _band_backward(q, k, v, m, p: Plan, do, lse, delta, s: Settings, set_a=()):
     return token_major(dq), _per_kv_head(token_major(dk), hk), _per_kv_head(token_major(dvv), hk), d_scale
 
 
-def _attention_bwd(settings, residuals, d_out):
+def _attention_bwd(settings, residuals, cotangents):
+    """Gradients from the cotangents of out and of the log-sum-exp (nonzero when a sink's pairs were merged by it):
+    `dS = P (dP - delta)` with `delta = rowsum(dO * O) - d_lse`."""
     q, k, v, m, p, out, lse = residuals
+    d_out, d_lse = cotangents
     do = d_out.astype(v.dtype)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse  # [B, T, H]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     args = (q, k, v, m, p, do, lse, delta, settings)
     if _in_token_order(p, settings):
@@ -1148,6 +1147,9 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     queries reads `b + window` keys; 128 on TPU). `backend`: one of `BACKENDS`; default `default_backend()`.
     `max_groups`: at most this many groups per token (set A then has `max_groups * T` entry rows instead of
     `K * T`); None: K. `num_warps`, `num_stages`: the Triton launch (default `triton_launch(q.dtype)`).
+    `sink`: the first `sink` tokens of each segment are visible to every later query of it (at most 64 after
+    clamping to T); the pairs this adds outside the window and the groups are computed and merged outside the
+    kernels, by `focal_jax.attention.sink.with_sink`.
 
     Multi-device: under a mesh (`mesh`, or by default the one of a `jax.set_mesh(mesh)` context), the kernels run
     per shard through `shard_map`, the batch split over the mesh's 'data' / 'fsdp' axes and the heads over
@@ -1167,6 +1169,7 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     _validate.check_softcap(softcap)
     _validate.check_finite("multiplier", multiplier)
     _validate.check_max_groups(membership, max_groups)
+    check_fast_sink(sink, q.shape[1], "pallas")
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -1211,12 +1214,15 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     if segment_ids is None:
         segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
-    # A window or sink past the sequence changes nothing; clamped, block bounds computed from it stay in int32.
-    settings = Settings(block_size, band_block_size, min(window, t), min(sink, t), softcap, scale, t, backend,
+    # A window past the sequence changes nothing; clamped, block bounds computed from it stay in int32.
+    settings = Settings(block_size, band_block_size, min(window, t), softcap, scale, t, backend,
                         num_warps or default_warps, num_stages or default_stages, *_sets)
-
-    return _planned_attention(q, k, v, per_query, membership, segment_ids, settings=settings, max_groups=max_groups,
-                              mesh=mesh)
+    out, lse = _planned_attention(q, k, v, per_query, membership, segment_ids, settings=settings,
+                                  max_groups=max_groups, mesh=mesh)
+    if not sink:
+        return out
+    return with_sink(out, lse, q, k, v, membership.astype(bool), multiplier=multiplier, window=window,
+                     segment_ids=segment_ids, sink=sink, softcap=softcap)
 
 
 # Jitted as a whole: called eagerly, the kernels of a new closure compiled afresh at every call (1 s at T = 256 in

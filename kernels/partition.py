@@ -85,11 +85,12 @@ def per_shard(kernel, q, k, v, token_arrays, *, head_arrays=(), mesh=None, batch
     heads over `head_axes` (see `layout`).
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, `head_arrays`: arrays `[B, T, H, ...]` split as q (a
-    multiplier per query and head `[B, T, H]`), `token_arrays`: arrays whose first dimension is the
-    batch (per-token ids `[B, T]`, membership `[B, T, K]`, ...), split with the batch; the kernel returns
-    `[B, T, H, Dv]`. The kernel must treat every (batch row, query head) independently and map query head h to kv
-    head `h // (H // Hk)` (the GQA convention). `mesh`: a `Mesh` / `AbstractMesh`, or None for the mesh of the
-    `jax.set_mesh` context (no context: the kernel is called as it is). Differentiable whenever `kernel` is.
+    multiplier per query and head `[B, T, H]`), `token_arrays`: arrays whose first dimension is the batch
+    (per-token ids `[B, T]`, membership `[B, T, K]`, ...), split with the batch; the kernel returns the attention
+    `[B, T, H, Dv]` and its log-sum-exp `[B, T, H]`. The kernel must treat every (batch row, query head)
+    independently and map query head h to kv head `h // (H // Hk)` (the GQA convention). `mesh`: a `Mesh` /
+    `AbstractMesh`, or None for the mesh of the `jax.set_mesh` context (no context: the kernel is called as it is).
+    Differentiable whenever `kernel` is.
     """
     context = mesh is None
     mesh = context_mesh() if context else mesh
@@ -109,4 +110,4 @@ def per_shard(kernel, q, k, v, token_arrays, *, head_arrays=(), mesh=None, batch
     args = (q, k, v, *head_arrays, *token_arrays)
     if getattr(mesh, "explicit_axes", ()):  # sharding in types: shard_map wants the operands laid out as asked
         args = tuple(jax.sharding.reshard(x, s) for x, s in zip(args, specs))
-    return _shard_map(kernel, mesh, context, specs, heads)(*args)
+    return _shard_map(kernel, mesh, context, specs, (heads, P(split.batch, None, split.heads)))(*args)

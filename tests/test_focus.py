@@ -103,6 +103,23 @@ def test_log_gate_limits_are_local_window_and_dense():
     assert_close(got, jax.nn.dot_product_attention(q, k, v, is_causal=True))
 
 
+def test_log_gate_limit_with_a_sink_is_the_window_plus_each_documents_first_tokens():
+    """'log' gate, lam large, affinity 0: with a sink of 2 and two documents, each query sees its window and the
+    first 2 tokens of its own document, ungated (jax.nn.dot_product_attention with that mask)."""
+    t, w, sink = 24, 3, 2
+    q, k, v = rand_qkv(9, t=t)
+    seg = jnp.asarray([[0] * 10 + [1] * 14, [4] * 7 + [2] * 17], jnp.int32)
+    orthogonal = jnp.broadcast_to(jnp.eye(t), (2, t, t))
+    got = focus_attention(q, k, v, orthogonal, window=w, gate="log", lam=1e4, segment_ids=seg, sink=sink)
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    starts = np.array([[0] * 10 + [10] * 14, [0] * 7 + [7] * 17])  # each token's document start
+    first_tokens = (np.arange(t) - starts < sink)[:, None, :]  # key j among its document's first `sink` tokens
+    same = np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :]
+    mask = same & (j <= i) & ((i - j <= w) | first_tokens)
+    want = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)[:, None], is_causal=True)
+    assert_close(got, want)
+
+
 def test_paper_gate_with_zero_affinity_halves_distant_logits():
     """Eq. 2 literally: a_ij = 0 gives sigmoid(0) = 1/2 on distant logits, written here as an explicit bias."""
     t = 24

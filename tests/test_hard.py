@@ -82,6 +82,9 @@ CONFIGS = {
     "default_block_T150": (1, 150, 2, 2, 8, 4, 1, 10, None, {}),
     "sink_segments_k1": (2, 77, 2, 2, 8, 4, 1, 8, 16, dict(sink=3, segments=True)),
     "sink_beyond_window_k2": (1, 130, 2, 2, 8, 5, 2, 4, 32, dict(sink=20)),
+    "sink_interleaved_segments_gqa_temperature_array": (2, 70, 4, 2, 8, 3, 1, 2, 16,
+                                                        dict(sink=4, interleaved=True, temp_array=True)),
+    "sink_longer_than_documents_k2": (2, 77, 2, 2, 8, 4, 2, 3, 16, dict(sink=30, segments=True)),
     "softcap_k2_sharp": (1, 90, 4, 2, 8, 4, 2, 6, 16, dict(softcap=1.5, temperature=0.3)),
 }
 
@@ -92,6 +95,8 @@ def build_case(name, seed=0):
     mem = make_membership(seed + 1, b, t, n_groups, topk, used_groups=extra.get("used_groups"),
                           bias=extra.get("bias"), arbitrary=extra.get("arbitrary", False))
     seg = jnp.asarray(packed_segments(b, t, seed + 2)) if extra.get("segments") else None
+    if extra.get("interleaved"):  # segments that are not contiguous: runs of 3 tokens alternate between 3 ids
+        seg = jnp.broadcast_to((jnp.arange(t) // 3) % 3, (b, t))
     if extra.get("temp_array"):
         temperature = jax.random.uniform(jax.random.key(seed + 3), (b, t, h), minval=0.3, maxval=1.5)
     else:
@@ -163,7 +168,7 @@ def test_disjoint_groups_window0_is_group_causal_attention():
 
 
 GRAD_CASES = ["k1_T77_block16", "arbitrary_membership_segments_gqa_temperature_array", "sink_beyond_window_k2",
-              "softcap_k2_sharp"]
+              "sink_interleaved_segments_gqa_temperature_array", "softcap_k2_sharp"]
 
 
 @pytest.mark.parametrize("name", GRAD_CASES)
@@ -361,6 +366,79 @@ def test_sink_keys_are_visible_to_every_query():
     i, j = np.meshgrid(np.arange(t), np.arange(t), indexing="ij")
     np.testing.assert_array_equal(with_sink, without | ((j < sink) & (j <= i))[None])
     assert (with_sink != without).any()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_each_segment_has_its_own_sink(interleaved):
+    """With segment ids the sink keys are the first `sink` tokens of each segment, contiguous or not (a loop over
+    the tokens counts them): the mask and both reference masks gain exactly the later same-segment pairs with them."""
+    b, t, n_groups, window, sink = 2, 60, 4, 2, 3
+    mem = jnp.asarray(make_membership(14, b, t, n_groups, 1))
+    seg = (np.broadcast_to((np.arange(t) // 4) % 3, (b, t)) if interleaved
+           else np.asarray(packed_segments(b, t, 15)))
+    is_sink = np.zeros((b, t), bool)
+    for row in range(b):
+        seen = {}
+        for j in range(t):
+            seen[seg[row, j]] = seen.get(seg[row, j], 0) + 1
+            is_sink[row, j] = seen[seg[row, j]] <= sink
+    i, j = np.meshgrid(np.arange(t), np.arange(t), indexing="ij")
+    gained = is_sink[:, None, :] & (j <= i)[None] & (seg[:, :, None] == seg[:, None, :])
+    without = np.asarray(focus_mask(mem, window=window, segment_ids=jnp.asarray(seg)))
+    for mask in (focus_mask(mem, window=window, segment_ids=jnp.asarray(seg), sink=sink),
+                 reference.focus_hard_mask(mem, window=window, segment_ids=seg, sink=sink)):
+        np.testing.assert_array_equal(np.asarray(mask), without | gained)
+    later_segment_key = (seg != seg[:, :1])[:, None, :]  # keys outside the row's first segment
+    assert (gained & ~without & later_segment_key).sum() > 20  # the row-prefix sink would add none of these
+
+
+def test_a_sink_of_each_document_in_hand_checked_rows():
+    """Two documents [0, 0, 0, 1, 1, 1, 1], one group each token, window 0, sink 1: each token sees itself and its
+    document's first token."""
+    mem = jnp.eye(7, dtype=bool)[None]  # 7 groups, one token each: no pair shares a group
+    seg = jnp.array([[0, 0, 0, 1, 1, 1, 1]])
+    want = np.eye(7, dtype=int)
+    want[1:3, 0] = want[4:, 3] = 1
+    np.testing.assert_array_equal(np.asarray(focus_mask(mem, window=0, segment_ids=seg, sink=1)).astype(int)[0],
+                                  want)
+
+
+def test_the_fast_paths_refuse_a_sink_over_64_by_name():
+    """'decomposed' and 'pallas' gather each query's sink keys: a sink over 64 (after clamping to T) is refused
+    with the value and the way out; 'reference' takes it, and a larger sink on a shorter row is clamped."""
+    b, t = 1, 80
+    q, k, v = rand_qkv(16, b, t, 2, 2, 8)
+    mem = jnp.asarray(make_membership(17, b, t, 3, 1))
+    for impl in ("decomposed", "pallas"):
+        with pytest.raises(ValueError, match=r"impl='%s' takes sink <= 64.*sink=65.*impl='reference'" % impl):
+            focus_sparse_attention(q, k, v, mem, window=2, sink=65, impl=impl)
+    want = naive(q, k, v, mem, window=2, sink=65)
+    assert_close(sparse(q, k, v, mem, window=2, sink=65, impl="reference"), want)
+    short = slice(0, 40)
+    assert_close(sparse(q[:, short], k[:, short], v[:, short], mem[:, short], window=2, sink=100,
+                        impl="decomposed", block_size=16),
+                 naive(q[:, short], k[:, short], v[:, short], mem[:, short], window=2, sink=100))
+
+
+@pytest.mark.parametrize("impl", ["decomposed", "pallas"])
+def test_a_sink_with_bf16_inputs_follows_float32_reference(impl):
+    """bf16 inputs with a sink (set C merged outside the fast path): output in bf16 and gradients within bf16
+    rounding of the float32 reference."""
+    q, k, v, mem, kw, block = build_case("sink_longer_than_documents_k2", seed=20)
+    kw["sink"] = 5
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    attend = lambda q, k, v: focus_sparse_attention(q, k, v, mem, impl=impl, block_size=block, **kw)
+    got = attend(*bf16)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, naive(*bf16, mem, **kw), atol=2e-2, what=f"bf16 {impl}")
+    cotangent = jax.random.normal(jax.random.key(21), got.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cotangent)
+    grads = jax.grad(loss(attend), argnums=(0, 1, 2))(*bf16)
+    expected = jax.grad(loss(lambda q, k, v: naive(q, k, v, mem, **kw)), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in bf16))
+    for name, g, e in zip("qkv", grads, expected):
+        scale = float(jnp.max(jnp.abs(e)))
+        assert_close(g.astype(jnp.float32) / scale, e / scale, atol=3e-2, what=f"bf16 {impl} d{name}")
 
 
 def test_decomposed_bf16_follows_float32_reference():

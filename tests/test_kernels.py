@@ -488,7 +488,7 @@ def test_bad_backend_tpu_block_sizes_triton_launch_and_multiplier_name_the_value
 jitted_plan = jax.jit(ks.plan, static_argnums=(2, 3), static_argnames="max_groups")
 
 
-def visited_pairs(plan, t, window, sink, block, band_block):
+def visited_pairs(plan, t, window, block, band_block):
     """Every (query token, key token) pair inside a visited block, as a set (small T only)."""
     pairs = set()
     token = np.asarray(plan.entry_token)
@@ -499,24 +499,24 @@ def visited_pairs(plan, t, window, sink, block, band_block):
                 for j in token[key_block * block:(key_block + 1) * block]:
                     pairs.add((int(i), int(j)))
     for query_block in range(-(-t // band_block)):
-        sink_end, band_start, band_end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=sink,
-                                                                            block=band_block))
-        for key_block in list(range(sink_end)) + list(range(band_start, band_end + 1)):
+        band_start, band_end = (int(x) for x in ks.band_key_blocks(query_block, window=window, block=band_block))
+        for key_block in range(band_start, band_end + 1):
             for i in range(query_block * band_block, (query_block + 1) * band_block):
                 for j in range(key_block * band_block, (key_block + 1) * band_block):
                     pairs.add((i, j))
     return pairs
 
 
-@pytest.mark.parametrize("groups,k,sink", [(4, 1, 0), (5, 2, 3)])
-def test_plan_covers_every_allowed_pair(groups, k, sink):
+@pytest.mark.parametrize("groups,k", [(4, 1), (5, 2)])
+def test_plan_covers_every_allowed_pair(groups, k):
+    """The kernels' visited blocks hold every pair of `focus_mask` without a sink (a sink's other pairs are set C,
+    `focal_jax.attention.sink`)."""
     t, window, block, band_block = 70, 6, 16, 8
     membership = random_membership(12, 1, t, groups, k)
     segment_ids = (jnp.arange(t)[None] >= 30).astype(jnp.int32)
     plan = jitted_plan(membership[0], segment_ids[0], block, band_block)
-    allowed = np.asarray(reference.focus_hard_mask(membership, window=window, segment_ids=segment_ids,
-                                                   sink=sink))[0]
-    visited = visited_pairs(plan, t, window, sink, block, band_block)
+    allowed = np.asarray(reference.focus_hard_mask(membership, window=window, segment_ids=segment_ids))[0]
+    visited = visited_pairs(plan, t, window, block, band_block)
     missing = [(i, j) for i, j in zip(*np.nonzero(allowed)) if (int(i), int(j)) not in visited]
     assert not missing
 
@@ -551,9 +551,8 @@ def test_plan_cost_is_near_the_pair_count_for_balanced_groups(block):
     a_blocks = int(np.sum(np.maximum(np.arange(len(first)) - first + 1, 0)))
     b_blocks = 0
     for query_block in range(t // band_block):
-        sink_end, start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, sink=0,
-                                                                   block=band_block))
-        b_blocks += sink_end + end - start + 1
+        start, end = (int(x) for x in ks.band_key_blocks(query_block, window=window, block=band_block))
+        b_blocks += end - start + 1
     counts = np.bincount(group, minlength=groups)
     same_group = int(np.sum(counts * (counts + 1) // 2))
     cross_local = sum(int(np.sum(group[d:] != group[:t - d])) for d in range(1, window + 1))

@@ -6,7 +6,10 @@ The allowed pairs of `focus_mask` (j <= i, same segment, and local or sharing a 
      membership becomes an *entry*; entries are sorted by (group, position), so the keys a query entry needs are the
      entries of its group before it: a contiguous run of key blocks ending at its own block.
   B. cross-group local pairs (`0 <= i - j <= window`, no shared group): a band of `block + window` keys per query
-     block; with an attention sink, also the cross-group pairs with the first `sink` keys outside the window.
+     block.
+
+With an attention sink, the pairs it adds outside the window and the groups (at most `sink` per query) are computed
+and merged by `focal_jax.attention.sink.with_sink`, which takes the log-sum-exp of sets A and B.
 
 Both are computed blockwise with an online softmax and merged per query token by log-sum-exp, so memory grows as
 O(T * block) (plus O(T * K) integers for the sort) and the result equals the dense masked reference. Gradients come
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from focal_jax._axes import vary_like
+from focal_jax.attention.sink import with_sink
 
 BITS_PER_WORD = 31  # group-membership bits per int32 word (the sign bit is left unused)
 
@@ -106,23 +110,19 @@ class Tile(NamedTuple):
     mask: jax.Array         # [bq, bk] bool
 
 
-def _band_tile(routing, block_index, t, window, sink, block):
+def _band_tile(routing, block_index, t, window, block):
     """Set B for query tokens [block_index * block, + block): the keys from `window` tokens before the block to its
-    end, allowed if local, same segment and sharing no group; plus the first `sink` keys, allowed where they are not
-    local (so no pair is counted twice), same segment and sharing no group."""
+    end, allowed if local, same segment and sharing no group."""
     reach = min(window, t - 1)
-    n_sink = min(sink, t)
     query_token = block_index * block + jnp.arange(block)
-    band_token = block_index * block - reach + jnp.arange(block + reach)
-    key_token = jnp.concatenate([jnp.arange(n_sink), band_token])
-    in_band = jnp.arange(n_sink + block + reach) >= n_sink
+    key_token = block_index * block - reach + jnp.arange(block + reach)
     query_token = jnp.where(query_token < t, query_token, t)
     key_token = jnp.where((key_token >= 0) & (key_token < t), key_token, t)
     distance = query_token[:, None] - key_token[None, :]
     is_local = (distance >= 0) & (distance <= window)
     shared = jnp.any((routing.words[query_token][:, None] & routing.words[key_token][None]) != 0, axis=-1)
     mask = ((query_token[:, None] < t) & (key_token[None, :] < t)
-            & jnp.where(in_band[None, :], is_local, distance > window)
+            & is_local
             & (routing.segment[query_token][:, None] == routing.segment[key_token][None, :]) & ~shared)
     return Tile(query_token, key_token, mask)
 
@@ -157,7 +157,6 @@ def _n_entry_blocks(routing, block):
 class Settings(NamedTuple):
     """The static settings of one call (hashable: the non-differentiable argument of the custom VJP)."""
     window: int
-    sink: int
     softcap: float | None
     block: int
     scale: float | None  # a numeric multiplier of the float32 logits; None: an array one, already in q
@@ -224,7 +223,7 @@ def _merge_into_tokens(totals, tokens, state):
 def _forward(q, k, v, routing, settings):
     """q `[T, Hk, G, D]` (already scaled), k `[T, Hk, D]`, v `[T, Hk, Dv]` (one dtype) -> out `[T, Hk, G, Dv]`, lse
     `[T, Hk, G]`, float32."""
-    window, sink, block = settings.window, settings.sink, settings.block
+    window, block = settings.window, settings.block
     t, hk, g, _ = q.shape
     dv = v.shape[-1]
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
@@ -233,7 +232,7 @@ def _forward(q, k, v, routing, settings):
                        *inputs)
 
     def band_block(block_index, totals):
-        tile = _band_tile(routing, block_index, t, window, sink, block)
+        tile = _band_tile(routing, block_index, t, window, block)
         empty = (jnp.full((block, hk, g), -jnp.inf), jnp.zeros((block, hk, g)), jnp.zeros((block, hk, g, dv)))
         s = _scores(_raw_scores(q[tile.query_token], k[tile.key_token], settings.scale), tile.mask, settings.softcap)
         state = _online_update(empty, s, v[tile.key_token])
@@ -291,10 +290,12 @@ def _tile_grads(query, k_block, v_block, mask, softcap, scale):
     return dq, dk, dv
 
 
-def _backward(q, k, v, routing, out, lse, d_out, settings):
-    window, sink, block = settings.window, settings.sink, settings.block
+def _backward(q, k, v, routing, out, lse, d_out, d_lse, settings):
+    """dq, dk, dv (float32) from the cotangents of out and of the log-sum-exp (`d_lse`, nonzero when a sink's
+    pairs were merged by it): `dS = P (dP - delta)` with `delta = rowsum(dO * O) - d_lse`."""
+    window, block = settings.window, settings.block
     t = q.shape[0]
-    delta = jnp.sum(d_out * out, axis=-1)
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse
     q, k, v = _with_dummy_row(q), _with_dummy_row(k), _with_dummy_row(v)
     lse, d_out, delta = _with_dummy_row(lse), _with_dummy_row(d_out.astype(v.dtype)), _with_dummy_row(delta)
     inputs = (q, k, v, lse, d_out, delta, *jax.tree.leaves(routing))
@@ -309,7 +310,7 @@ def _backward(q, k, v, routing, out, lse, d_out, settings):
 
     def band_block(block_index, grads):
         dq, dk, dv = grads
-        tile = _band_tile(routing, block_index, t, window, sink, block)
+        tile = _band_tile(routing, block_index, t, window, block)
         query = gather_queries(tile.query_token)
         dq_block, dk, dv = add_tile(query, tile.key_token, tile.mask, _zeros(query.q), dk, dv)
         return dq.at[tile.query_token].add(dq_block), dk, dv
@@ -342,17 +343,19 @@ def _zeros(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sequence_attention(q, k, v, routing, settings):
-    return _forward(q, k, v, routing, settings)[0]
+    """One sequence's sets A and B -> (out `[T, Hk, G, Dv]`, lse `[T, Hk, G]`), float32."""
+    return _forward(q, k, v, routing, settings)
 
 
 def _sequence_attention_fwd(q, k, v, routing, settings):
     out, lse = _forward(q, k, v, routing, settings)
-    return out, (q, k, v, routing, out, lse)
+    return (out, lse), (q, k, v, routing, out, lse)
 
 
-def _sequence_attention_bwd(settings, residuals, d_out):
+def _sequence_attention_bwd(settings, residuals, cotangents):
     q, k, v, routing, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, settings)
+    d_out, d_lse = cotangents
+    dq, dk, dv = _backward(q, k, v, routing, out, lse, d_out, d_lse, settings)
     zero_routing = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), routing)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), zero_routing
 
@@ -369,7 +372,9 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       membership: bool `[B, T, K]`.
       multiplier: scale / temperature: a number, applied to the float32 logits, or an array, scalar or
         `[B, T, H]` (it may be traced: a learned temperature), which scales q in q's dtype before the products.
-      window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` keys are always visible.
+      window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` tokens of each segment are
+        visible to every later query of it (`focal_jax.attention.sink`; at most `MAX_FAST_SINK` after clamping
+        to T).
       softcap: None or the logit cap (`softcap * tanh(logits / softcap)`).
       block_size: tile size.
       max_groups: at most this many groups per token (entry arrays of `max_groups * T` rows); None: K.
@@ -383,17 +388,20 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
         scale, per_query = float(multiplier), None
     else:
         scale, per_query = None, jnp.asarray(multiplier, jnp.float32)
-    out = _decomposed(q.astype(dtype), k.astype(dtype), v.astype(dtype), per_query, membership, segment_ids,
-                      window=window, sink=sink, softcap=softcap, block_size=block_size, max_groups=max_groups,
-                      scale=scale)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    out, lse = _decomposed(q, k, v, per_query, membership, segment_ids, window=window, softcap=softcap,
+                           block_size=block_size, max_groups=max_groups, scale=scale)
+    if sink:
+        out = with_sink(out, lse, q, k, v, membership, multiplier=multiplier, window=window,
+                        segment_ids=segment_ids, sink=sink, softcap=softcap)
     return out.astype(v.dtype)
 
 
 # Jitted as a whole: called eagerly, its loops over new closures compiled afresh at every call (0.8 s at T = 256).
-@functools.partial(jax.jit, static_argnames=("window", "sink", "softcap", "block_size", "max_groups", "scale"))
-def _decomposed(q, k, v, per_query, membership, segment_ids, *, window, sink, softcap, block_size, max_groups,
-                scale):
-    """`decomposed_attention` on one dtype, with a numeric multiplier as `scale` or an array one as `per_query`."""
+@functools.partial(jax.jit, static_argnames=("window", "softcap", "block_size", "max_groups", "scale"))
+def _decomposed(q, k, v, per_query, membership, segment_ids, *, window, softcap, block_size, max_groups, scale):
+    """Sets A and B of `decomposed_attention` on one dtype, with a numeric multiplier as `scale` or an array one
+    as `per_query` -> (out `[B, T, H, Dv]`, lse `[B, T, H]`), float32."""
     b, t, h, d = q.shape
     hk = k.shape[2]
     if per_query is not None:
@@ -407,7 +415,7 @@ def _decomposed(q, k, v, per_query, membership, segment_ids, *, window, sink, so
     routing = jax.vmap(lambda m, s: _routing(m, s, block_size, max_groups))(membership, segment_ids)
 
     def one_sequence(args):
-        return _sequence_attention(*args, Settings(window, sink, softcap, block_size, scale))
+        return _sequence_attention(*args, Settings(window, softcap, block_size, scale))
 
-    out = jax.lax.map(one_sequence, (q.reshape(b, t, hk, h // hk, d), k, v, routing))
-    return out.reshape(b, t, h, v.shape[-1])
+    out, lse = jax.lax.map(one_sequence, (q.reshape(b, t, hk, h // hk, d), k, v, routing))
+    return out.reshape(b, t, h, v.shape[-1]), lse.reshape(b, t, h)

@@ -15,6 +15,7 @@ from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import decomposed_attention
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
+from focal_jax.attention.sink import check_fast_sink, sink_key_mask
 
 GATES = ("paper", "log")
 IMPLS = ("reference", "decomposed", "pallas")
@@ -65,13 +66,13 @@ def _unit_rows(x):
 
 
 def _visible(b, t, window, segment_ids, sink):
-    """Causal (and same-segment) pairs, and among them those always visible (local or a sink key): two bool
-    `[B, T, T]`."""
+    """Causal (and same-segment) pairs, and among them those always visible (local, or a sink key: one of the first
+    `sink` tokens of its segment): two bool `[B, T, T]`."""
     pos = jnp.arange(t)
     causal = jnp.broadcast_to(causal_mask(pos, pos), (b, t, t))
     if segment_ids is not None:
         causal = causal & segment_mask(segment_ids, segment_ids)
-    always = causal & (local_mask(pos, pos, window) | (pos < sink)[None, :])
+    always = causal & (local_mask(pos, pos, window) | sink_key_mask(segment_ids, sink, b, t)[:, None, :])
     return causal, always
 
 
@@ -91,8 +92,9 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
       g: `[B, T, K]` soft group assignments (rows of `sinkhorn`), shared by all heads.
       window: local window w >= 0 (paper: 128). lam: gate steepness (not given by the paper; default 10).
       temperature, scale, segment_ids: as in `focal_attention`.
-      sink: the first `sink` keys are ungated for every query, like local ones (an attention sink; off by
-        default, not in the paper).
+      sink: the first `sink` tokens of each segment (of the row without segment ids) are ungated for every later
+        query of that segment, like local keys (an attention sink, FOCUS_SPEC OQ-12; off by default, not in the
+        paper).
       softcap: None, or `softcap * tanh(logits / softcap)` before the gate (FOCUS_SPEC OQ-13).
 
     Returns:
@@ -157,12 +159,13 @@ def topk_membership(g, k):
 @explicit_as_auto(like_first(2, 3))
 def focus_mask(membership, *, window, segment_ids=None, sink=0):
     """The hard Focus mask: query i sees key j iff `j <= i`, same segment, and (`i - j <= window` or they share a
-    group or `j < sink`).
+    group or j is a sink key, one of the first `sink` tokens of its segment).
 
     Args:
       membership: bool `[B, T, K]` (e.g. from `topk_membership`). window: int >= 0.
       segment_ids: optional int `[B, T]`.
-      sink: the first `sink` keys are visible to every (later, same-segment) query; default 0 (off).
+      sink: the first `sink` tokens of each segment (of the row without segment ids) are visible to every later
+        query of that segment (an attention sink, FOCUS_SPEC OQ-12); default 0 (off).
 
     Returns:
       bool `[B, T, T]`.
@@ -195,7 +198,10 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       q: `[B, T, H, D]`; k, v: `[B, T, Hk, D]` / `[B, T, Hk, Dv]` (Hk divides H).
       membership: bool `[B, T, K]`, the groups of each token (`topk_membership(g, k)`); any number per token.
       window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
-      sink: the first `sink` keys are visible to every query (see `focus_mask`); default 0 (off).
+      sink: the first `sink` tokens of each segment are visible to every later query of it (see `focus_mask`);
+        default 0 (off). `'decomposed'` and `'pallas'` add the sink's pairs outside the window and the groups (at
+        most `sink` per query) in plain XLA and merge them by log-sum-exp (`focal_jax.attention.sink`), so they
+        take `min(sink, T) <= 64`.
       softcap: None, or `softcap * tanh(logits / softcap)` on the scaled logits.
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
@@ -223,7 +229,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
 
     Raises:
       ValueError naming the argument: q, k, v or membership not an array (a list: convert it with `jnp.asarray`)
-      or of mismatched shapes, a floating-point membership, and the checks of `focal_attention`.
+      or of mismatched shapes, a floating-point membership, a sink over 64 for `'decomposed'` or `'pallas'`, and
+      the checks of `focal_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -237,6 +244,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     b, t = _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
     _validate.check_membership_dtype(membership)
     _validate.check_choice("impl", impl, IMPLS)
+    if impl != "reference":
+        check_fast_sink(sink, t, impl)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
         raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}"

@@ -74,6 +74,14 @@ def _same_segment(segment_ids, b, t):
     return seg[:, :, None] == seg[:, None, :]
 
 
+def _sink_keys(segment_ids, b, t, sink):
+    """bool `[B, 1, T]`: key j is a sink key, one of the first `sink` tokens of its segment (counted with an
+    explicit `[T, T]` comparison: the tokens before j with j's segment id)."""
+    i, j = _pair_positions(t)
+    earlier_same = _same_segment(segment_ids, b, t) & (j < i)          # [B, T, T]: token i, earlier token j
+    return (jnp.sum(earlier_same, axis=-1) < sink)[:, None, :]
+
+
 def _masked_softmax_attend(logits, mask, v, num_q_heads):
     """Explicit softmax of `logits [B, H, T, T]` over keys where `mask [B, T, T]` is True; then `@ v`.
 
@@ -239,7 +247,8 @@ def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temp
 
     logits = q.k * scale / temperature; affinity `a_ij = g_i . g_j`; local pairs (`0 <= i - j <= window`)
     ungated; distant causal pairs gated: 'paper' `logit * sigmoid(lam * a)` (Eq. 2 literally),
-    'log' `logit + log(sigmoid(lam * (a - 1/2)))`. Keys j < sink are ungated like local ones.
+    'log' `logit + log(sigmoid(lam * (a - 1/2)))`. Sink keys (the first `sink` tokens of each segment) are ungated
+    like local ones.
 
     q `[B, T, H, D]`, k/v `[B, T, Hk, D/Dv]`, g `[B, T, K]` -> `[B, T, H, Dv]` float32.
     """
@@ -248,21 +257,21 @@ def focus_soft_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temp
     gf = jnp.asarray(g, jnp.float32)
     affinity = jnp.einsum("bik,bjk->bij", gf, gf, precision=jax.lax.Precision.HIGHEST)[:, None]
     i, j = _pair_positions(t)
-    local = ((i - j >= 0) & (i - j <= window)) | (j < sink)        # [T, T]
+    local = ((i - j >= 0) & (i - j <= window))[None] | _sink_keys(segment_ids, b, t, sink)   # [B, T, T]
     if gate == "paper":
         gated = logits * jax.nn.sigmoid(lam * affinity)
     elif gate == "log":
         gated = logits + jnp.log(jax.nn.sigmoid(lam * (affinity - 0.5)))
     else:
         raise ValueError(f"unknown gate={gate!r}")
-    final = jnp.where(local[None, None], logits, gated)
+    final = jnp.where(local[:, None], logits, gated)
     mask = (j <= i)[None] & _same_segment(segment_ids, b, t)
     return _masked_softmax_attend(final, mask, v, h)
 
 
 def focus_hard_mask(membership, *, window, segment_ids=None, sink=0):
     """bool `[B, T, T]`: `j <= i` and same segment and (`0 <= i - j <= window` or i and j share a group or
-    `j < sink`).
+    j is one of the first `sink` tokens of its segment).
 
     membership: bool `[B, T, K]`.
     """
@@ -272,7 +281,8 @@ def focus_hard_mask(membership, *, window, segment_ids=None, sink=0):
     i, j = _pair_positions(t)
     causal = j <= i
     local = (i - j >= 0) & (i - j <= window)
-    return causal[None] & _same_segment(segment_ids, b, t) & (local[None] | share | (j < sink)[None])
+    visible = local[None] | share | _sink_keys(segment_ids, b, t, sink)
+    return causal[None] & _same_segment(segment_ids, b, t) & visible
 
 
 def focus_hard_attention(q, k, v, membership, *, window=128, temperature=1.0, scale=None, segment_ids=None,
