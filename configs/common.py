@@ -47,7 +47,8 @@ FOCAL_LARGE_BATCH_TOKENS = 2**21
 
 # The Focus paper's routing defaults (FOCUS_SPEC.md App. B and section 2.5): d_g 16, window 128, Sinkhorn tau 0.1
 # and 10 iterations, the literal Eq. 2 gate with lambda 10 (the paper gives no lambda; OQ-1), non-causal Sinkhorn.
-FOCUS_ROUTING = {"dim": 16, "window": 128, "tau": 0.1, "iters": 10, "gate": "paper", "lam": 10.0, "causal": False}
+FOCUS_ROUTING = {"dim": 16, "window": 128, "tau": 0.1, "iters": 10, "gate": "paper", "lam": 10.0, "causal": False,
+                 "sink": 0}
 
 # Mistral-7B's architecture (v0.1 config, without its 4096-token sliding window): the Focus paper's from-scratch
 # model (FOCUS_SPEC.md section 6.3).

@@ -43,6 +43,12 @@ forms (OQ-1):
   for window in 16 128 512; do retrofit groups=2,window=$window K2-w$window; done
   retrofit groups=4,gate=log K4-log
 
+An attention sink (FOCUS_SPEC OQ-12, not in the paper): does the first token of each document, visible to every
+query, soften top-1's perplexity (Table 7's 82.9 against 42.8)? Train with it and compare the top-k sweeps:
+
+  retrofit groups=8,sink=1 K8-sink1
+  python -m focal_jax.eval.perplexity --workdir /runs/focus_retrofit/gpt2-K8-sink1 --topk all
+
 The default cells (K4-dg16, K8-w128, K8-tau0.1, K8-iters10) repeat the runs gpt2-K4 and gpt2-K8.
 
 Evaluation: soft-gated and hard top-k perplexity with pairs retained and dominance for every k (the top-k sweep of
@@ -69,7 +75,8 @@ sliding window would be refused (Focus brings its own window), hence v0.2 / v0.3
 
 Arguments: init_from (a focal_jax workdir: its model and tokenizer), hf (a Hugging Face directory: its config.json,
 safetensors, and tokenizer.model or tokenizer.json), groups (K), dim (d_g), window (w), tau, iters (Sinkhorn), gate
-(paper | log), lam (the gate's lambda), causal (prefix-causal Sinkhorn), steps, data (a glob of training files;
+(paper | log), lam (the gate's lambda), causal (prefix-causal Sinkhorn), sink (the first `sink` tokens of each
+document visible to every query; default 0, the paper's), steps, data (a glob of training files;
 default: the base run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints
 hold the centroids only and record the base model.
 """

@@ -29,8 +29,8 @@ for Mistral-7B; Mistral's RoPE theta 10K without its sliding window; a 32000-pie
 Mistral's tokenizer with `--config.data.tokenizer=PATH/tokenizer.model`.
 
 Arguments: size (mistral-7b, or a Focal paper size: 400M ... 9.5B), attn (focus | dense), groups (K), dim (d_g),
-window (w), tau, iters, gate (paper | log), lam, causal, data (a glob of training files; default the builtin
-corpus), runlocal.
+window (w), tau, iters, gate (paper | log), lam, causal, sink (an attention sink, FOCUS_SPEC OQ-12; default 0), data
+(a glob of training files; default the builtin corpus), runlocal.
 """
 
 from focal_jax.configs import common

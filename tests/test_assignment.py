@@ -1,5 +1,5 @@
 """The reproduction features: learned-temperature mean mode (prefix / sequence), softmax group assignment, the
-balance loss, and dominance in the trainer's eval records."""
+balance loss, dominance in the trainer's eval records, and the Focus attention sink of the model layer."""
 
 import dataclasses
 import importlib.util
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from focal_jax import attention as fa
 from focal_jax.attention import reference
 from focal_jax.nn.attention import Attention, AttentionConfig, check_decodable, record_attention
+from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
-from focal_jax.nn.retrofit import FocalConfig, FocusConfig, retrofit
+from focal_jax.nn.retrofit import FocalConfig, FocusConfig, replace_attention, retrofit
 from focal_jax.train import train
 from focal_jax.train.config import check_config, config_differences
 from focal_jax.train.metrics import read_metrics
@@ -361,3 +363,59 @@ def test_balance_weight_key_is_checked_and_old_configs_resume():
 def test_focus_retrofit_assign_option():
     model = retrofit(_llama(), FocusConfig(groups=4, dim=8, window=4, assign="softmax"))
     assert {layer.self_attn.config.focus_assign for layer in model.layers} == {"softmax"}
+
+
+# ------------------------------------------------------------------------------ the Focus attention sink
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("topk, impl", [(None, "xla"), (1, "xla"), (1, "decomposed")])
+def test_a_focus_layer_with_a_sink_computes_the_pure_functions_with_that_sink(topk, impl, packed):
+    """FOCUS_SPEC OQ-12: `focus_sink=2` reaches the soft gate (`focus_attention`) and hard top-k
+    (`focus_sparse_attention`, with the layer's impl) on the layer's own q, k, v and g, with packed documents'
+    segment ids too; the same functions with sink=0 give another output, so the comparison can fail."""
+    b, t, d = 2, 12, 16
+    config = AttentionConfig(d_model=d, n_heads=2, n_kv_heads=2, head_dim=8, kind="focus", focus_groups=4,
+                             focus_dim=8, focus_window=2, focus_topk=topk, impl=impl, focus_sink=2)
+    layer = Attention(config, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (b, t, d))
+    segment_ids = jnp.asarray([[1] * 5 + [2] * 7, [1] * 12]) if packed else None
+
+    @nnx.jit
+    def outputs(layer, x, segment_ids):  # the layer's, and the pure functions' with sink 2 and 0, [B, T, d_model]
+        with record_attention() as records:
+            out = layer(x, positions=jnp.broadcast_to(jnp.arange(t), (b, t)), segment_ids=segment_ids)
+        r = records[0]
+        if topk is None:
+            heads = [fa.focus_attention(r["q"], r["k"], r["v"], r["g"], window=2, segment_ids=segment_ids, sink=sink)
+                     for sink in (2, 0)]
+        else:
+            heads = [fa.focus_sparse_attention(r["q"], r["k"], r["v"], fa.topk_membership(r["g"], topk), window=2,
+                                               segment_ids=segment_ids, sink=sink,
+                                               impl="reference" if impl == "xla" else impl) for sink in (2, 0)]
+        return [out] + [layer.o_proj(h.reshape(b, t, d)) for h in heads]
+
+    out, with_sink, without = outputs(layer, x, segment_ids)
+    np.testing.assert_allclose(out, with_sink, atol=1e-5)
+    assert float(jnp.abs(out - without).max()) > 1e-3
+
+
+@pytest.mark.parametrize("topk", [None, 1])
+def test_the_focus_sink_changes_a_models_logits_only_past_the_window(topk):
+    """A tiny Focus LLaMA with `focus_sink=2` against the same parameters with the sink off (`replace_attention`):
+    the queries whose keys are all local (i <= window) are untouched, later ones change (soft gate and hard top-1);
+    a GPT-2 config carries the field to its layers."""
+    window = 3
+    model = _llama(kind="focus", focus_groups=4, focus_dim=8, focus_window=window, focus_iters=3, focus_topk=topk,
+                   focus_sink=2)
+    assert {layer.self_attn.config.focus_sink for layer in model.layers} == {2}
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 64)
+    forward = nnx.jit(lambda model, tokens: model(tokens))
+    with_sink = forward(model, tokens)
+    without = forward(replace_attention(model, focus_sink=0), tokens)
+    diff = np.abs(np.asarray(with_sink) - np.asarray(without))
+    assert diff[:, :window + 1].max() <= 1e-6
+    assert diff[:, window + 1:].max() > 1e-3
+    gpt2 = nnx.eval_shape(lambda: GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4,
+                                                  kind="focus", focus_sink=3), rngs=nnx.Rngs(0)))
+    assert {block.attn.config.focus_sink for block in gpt2.h} == {3}

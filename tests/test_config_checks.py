@@ -1,6 +1,7 @@
 """The training config's checks (`focal_jax.train.config.check_config`, `trainer.check_run`) on settings that passed
 them and then failed late, trained something else than asked, or were named without their section: a model's own
-sliding window covering every key, a bad seed or section, a warmup longer than the schedule, section prefixes."""
+sliding window covering every key, a bad seed or section, a warmup longer than the schedule, section prefixes, the
+Focus attention sink's field in every section that sets it."""
 
 import os
 import re
@@ -9,8 +10,11 @@ import ml_collections
 import numpy as np
 import pytest
 
+from focal_jax.nn.attention import AttentionConfig
+from focal_jax.nn.gpt2 import GPT2Config
+from focal_jax.nn.retrofit import FocusConfig
 from focal_jax.train import trainer
-from focal_jax.train.config import check_config, default_config, warmup_note
+from focal_jax.train.config import check_attention_fields, check_config, config_differences, default_config, warmup_note
 from focal_jax.train.optimizer import learning_rate_schedule
 from helpers import load_experiment
 
@@ -169,3 +173,57 @@ def test_a_bad_field_of_a_section_is_named_with_its_section(path, value, message
     """`data.seq_len=0` was named 'seq_len must be ...', `model.attn.focal_t=-0.4` 'focal_t must be ...'."""
     with pytest.raises(ValueError, match=message):
         check_config(_set(default_config(), path, value))
+
+
+# ------------------------------------------------------------------------------ the Focus attention sink
+
+
+@pytest.mark.parametrize("sink", [-1, 1.5, True, "2"])
+def test_a_bad_focus_sink_is_named_wherever_it_is_set(sink):
+    """`focus_sink` (FOCUS_SPEC OQ-12) is an integer >= 0 on the layer, GPT-2's config, a training config's model
+    section and a Focus retrofit (`sink`); anything else is refused naming the field and the value."""
+    shown = re.escape(repr(sink))
+    with pytest.raises(ValueError, match=rf"^focus_sink must be an integer >= 0, got focus_sink={shown}$"):
+        AttentionConfig(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focus", focus_sink=sink)
+    with pytest.raises(ValueError, match=rf"^GPT2Config: focus_sink must be an integer >= 0, got focus_sink={shown}"):
+        GPT2Config(n_layers=1, kind="focus", focus_sink=sink)
+    with pytest.raises(ValueError, match=rf"^model\.attn\.focus_sink must be an integer >= 0, got focus_sink={shown}"):
+        check_config(_set(default_config(), "model.attn", {"kind": "focus", "focus_sink": sink}))
+    with pytest.raises(ValueError, match=rf"^FocusConfig: sink must be an integer >= 0, got sink={shown}$"):
+        FocusConfig(groups=4, dim=8, window=4, sink=sink)
+
+
+@pytest.mark.parametrize("impl", ["decomposed", "pallas"])
+def test_a_focus_sink_over_64_is_refused_for_the_fast_paths_at_construction(impl):
+    """'decomposed' and 'pallas' gather each query's sink keys and take at most 64 of them: a larger focus_sink is
+    refused when the layer's config is built (not at the first call), naming impl='xla', which takes any."""
+    layer = dict(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focus", focus_topk=1)
+    refused = rf"^impl='{impl}' takes focus_sink <= 64 .*got focus_sink=65; use impl='xla'$"
+    with pytest.raises(ValueError, match=refused):
+        AttentionConfig(**layer, impl=impl, focus_sink=65)
+    assert AttentionConfig(**layer, impl=impl, focus_sink=64).focus_sink == 64
+    assert AttentionConfig(**layer, impl="xla", focus_sink=65).focus_sink == 65
+
+
+def test_focus_sink_is_set_by_each_config_section_and_refused_on_kinds_that_do_not_read_it():
+    """`model.attn.focus_sink` (LLaMA), `model.focus_sink` (GPT-2) and `retrofit.focus.sink` reach the attention
+    config; on a non-Focus kind the setting would change nothing and training refuses it; a stored run without the
+    field resumes under the default (0) and is told apart from one with a sink."""
+    llama = check_config(_set(default_config(), "model.attn", {"kind": "focus", "focus_sink": 2}))
+    assert llama.model.attention.focus_sink == 2
+    gpt2 = check_config(_set(default_config(), "model", {**TINY_GPT2, "kind": "focal+focus", "focus_sink": 3}))
+    assert gpt2.model.attention.focus_sink == 3
+    retrofit = check_config(_set(default_config(), "retrofit.focus", {"groups": 4, "dim": 8, "window": 4, "sink": 1}))
+    assert retrofit.retrofit[0].attention_fields()["focus_sink"] == 1
+    for model in ({"size": "tiny", "attn": {"kind": "focal", "focus_sink": 2}}, {**TINY_GPT2, "focus_sink": 2}):
+        run = check_config(_set(default_config(), "model", model))
+        with pytest.raises(ValueError, match=r"does not read focus_sink=2 \(read by kinds \('focus', 'focal\+focus'"):
+            check_attention_fields(run.model)
+    stored = {"model": {"size": "tiny", "attn": {"kind": "focus"}},
+              "retrofit": {"focus": {"groups": 4, "dim": 8, "window": 4}}}
+    now = {"model": {"size": "tiny", "attn": {"kind": "focus", "focus_sink": 0}},
+           "retrofit": {"focus": {"groups": 4, "dim": 8, "window": 4, "sink": 0}}}
+    assert config_differences(stored, now) == []
+    now["model"]["attn"]["focus_sink"], now["retrofit"]["focus"]["sink"] = 2, 1
+    assert config_differences(stored, now) == ["model.attn.focus_sink: 0 (stored) vs 2 (now)",
+                                               "retrofit.focus.sink: 0 (stored) vs 1 (now)"]

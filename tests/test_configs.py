@@ -109,6 +109,21 @@ def test_focus_scratch_dense_refuses_routing_arguments():
     assert load_experiment("focus_scratch", "runlocal,groups=8").model.attn.focus_groups == 8
 
 
+def test_the_focus_experiments_take_an_attention_sink(tmp_path):
+    """`sink=n` (FOCUS_SPEC OQ-12) reaches the retrofit's Focus settings and the from-scratch model's layers; the
+    dense control refuses it, as any routing argument."""
+    from focal_jax.train.config import check_config
+
+    (tmp_path / "tokenizer.model").write_bytes(b"")
+    (tmp_path / "config.json").write_text("{}")
+    retrofit = check_config(load_experiment("focus_retrofit", f"hf={tmp_path},groups=8,sink=1"))
+    assert retrofit.retrofit[0].attention_fields()["focus_sink"] == 1
+    assert load_experiment("focus_retrofit", f"hf={tmp_path}").retrofit.focus.sink == 0
+    assert load_experiment("focus_scratch", "runlocal,sink=2").model.attn.focus_sink == 2
+    with pytest.raises(ValueError, match=r"\{'sink': 2\} set the Focus routing, which attn=dense does not have"):
+        load_experiment("focus_scratch", "runlocal,attn=dense,sink=2")
+
+
 @pytest.mark.parametrize("name, arg, head_dim, tau_range", [
     ("focal_scaling", "variant=learned", 128, (5.0, 10.0)),
     ("focal_token_scaling", "variant=learned", 128, (5.0, 10.0)),

@@ -1,6 +1,7 @@
 """`focal_jax.eval.perplexity`: loss and perplexity against a naive per-document computation, hard top-k against
-dense attention, pairs retained against the naive dense mask of `focal_jax.attention.reference`, bad arguments, and
-the command line against the trainer's own held-out loss."""
+dense attention, pairs retained against the naive dense mask of `focal_jax.attention.reference` (with an attention
+sink, plus the first tokens of each document), bad arguments, and the command line against the trainer's own
+held-out loss."""
 
 import dataclasses
 import json
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from focal_jax import attention as fa
 from focal_jax.attention import reference
 from focal_jax.eval import perplexity
 from focal_jax.eval.diagnostics import attention_configs, attention_view, forward, load_run
@@ -189,6 +191,8 @@ def test_bad_arguments_name_the_value(model):
         pair_counts(jnp.ones((1, 4, K)), 0, window=1)
     with pytest.raises(ValueError, match=r"method=.fast."):
         pair_counts(jnp.ones((1, 4, K)), 1, window=1, method="fast")
+    with pytest.raises(ValueError, match=r"sink must be an integer >= 0, got sink=-1"):
+        pair_counts(jnp.ones((1, 4, K)), 1, window=1, sink=-1)
     with pytest.raises(ValueError, match=r"method='patterns' counts at most K=30 groups, got K=32"):  # int32 bits
         pair_counts(jnp.ones((1, 4, 32)), 1, window=1, method="patterns")
     with pytest.raises(ValueError, match=r"lacks key\(s\) \['targets'\]"):
@@ -350,6 +354,67 @@ def test_topk_table_rows_evaluate_the_forms_they_name(model, monkeypatch):
         seen.clear()
         topk_table(hard, [batch], topk="3,1", impl=impl)
         assert seen == [(None, "xla"), (1, want), (3, want)], impl
+
+
+def sink_keys_numpy(segment_ids, sink):
+    """bool [B, 1, T]: key j is among the first `sink` tokens of its segment (FOCUS_SPEC OQ-12; numpy)."""
+    t = segment_ids.shape[1]
+    earlier = np.arange(t)[None, :] < np.arange(t)[:, None]  # [T, T]: token i, earlier token j
+    earlier_same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & earlier
+    return (earlier_same.sum(-1) < sink)[:, None, :]
+
+
+@pytest.mark.parametrize("k, method", [(1, "patterns"), (2, "patterns"), (1, "blocks")])
+def test_pair_counts_keep_the_sink_keys_of_each_segment(k, method):
+    """`sink=2`: the first 2 tokens of each segment are retained for every later query of their segment, local or
+    not, sharing a group or not: the counts of a naive numpy mask, which keeps more distant pairs than without the
+    sink; without segment ids, those of `focus_mask(sink=2)` (the first 2 tokens of the row)."""
+    rng = np.random.default_rng(10 + k)
+    b, t, window, sink = 3, 17, 2, 2
+    g = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, t, K)) * 2.0, jnp.float32), axis=-1)
+    segment_ids = segments_and_padding(b, t, rng)
+    valid = segment_ids != 0
+    count = jax.jit(pair_counts, static_argnames=("k", "window", "sink", "method"))
+    membership = topk_numpy(g, k)
+    for ids, real in ((segment_ids, valid), (None, None)):
+        seg = np.ones((b, t), np.int32) if ids is None else ids
+        causal = causal_pairs(seg, np.ones((b, t), bool) if real is None else real)
+        plain = np.asarray(reference.focus_hard_mask(membership, window=window, segment_ids=ids)) & causal
+        if ids is None:
+            mask = np.asarray(fa.focus_mask(jnp.asarray(membership), window=window, sink=sink)) & causal
+        else:
+            mask = (plain | sink_keys_numpy(seg, sink)) & causal
+        distant = causal & (np.arange(t)[:, None] - np.arange(t)[None, :] > window)[None]
+        expected = {"causal": causal.sum(-1), "retained": mask.sum(-1), "distant": distant.sum(-1),
+                    "distant_retained": (mask & distant).sum(-1)}
+        counts = count(g, k=k, window=window, segment_ids=ids, valid=real, sink=sink, method=method)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(np.asarray(counts[name]), value, err_msg=f"{ids is None}: {name}")
+        assert expected["distant_retained"].sum() > (plain & distant).sum()
+
+
+def test_a_hard_model_with_a_sink_counts_the_pairs_its_sink_keeps(model):
+    """`evaluate_model` counts a hard Focus model's pairs with its own `focus_sink`: those of the naive mask of each
+    layer's routing plus the first 2 tokens of each document, more than the same model without a sink keeps."""
+    batch = packed(np.random.default_rng(6).integers(1, VOCAB, (3, DOC_LEN)).astype(np.int32))
+    view = attention_view(model, focus_topk=1, focus_sink=2)
+    result = evaluate_model(view, [batch])
+    graphdef, state = nnx.split(view)
+
+    @jax.jit
+    def routing(state, batch):
+        with record_attention() as records:
+            forward(nnx.merge(graphdef, state), batch)
+        return [r["g"] for r in records]
+
+    segment_ids = batch["segment_ids"]
+    causal = causal_pairs(segment_ids, segment_ids != 0)
+    retained = []
+    for g in routing(state, batch):
+        mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, 1), window=WINDOW, segment_ids=segment_ids))
+        retained.append(((mask | sink_keys_numpy(segment_ids, 2)) & causal).sum() / causal.sum())
+    np.testing.assert_allclose(result["pairs_retained"], np.mean(retained), rtol=1e-12)
+    assert result["pairs_retained"] > evaluate_model(attention_view(model, focus_topk=1), [batch])["pairs_retained"]
 
 
 def test_pair_counts_leave_out_padding_marked_by_valid_alone():

@@ -1,8 +1,8 @@
 """KV-cache decoding and generation (focal_jax.nn.generate) on tiny random models built in-process (no download):
 decoding with the cache equals the full-sequence forward at every position (dense, focal, focal_learned, hard causal
-Focus, focal+focus and a softcap on LLaMA GQA; dense GPT-2); greedy `generate` equals repeated argmax of the full
-forward; nucleus sampling is reproducible, draws each step afresh and stays in the nucleus; bad arguments and
-undecodable attention kinds raise ValueError."""
+Focus, focal+focus and a softcap on LLaMA GQA; dense GPT-2; hard causal Focus with an attention sink); greedy
+`generate` equals repeated argmax of the full forward; nucleus sampling is reproducible, draws each step afresh and
+stays in the nucleus; bad arguments and undecodable attention kinds raise ValueError."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from focal_jax import attention as fa
 from focal_jax.nn.generate import _generate, generate, init_cache, sample_logits
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.nn.retrofit import replace_attention
 
 # The hard causal routing of the tiny Focus model has near-ties (top-two group scores 1e-5 to 1e-4 apart), so greedy
 # generation through the cache picks the full forward's argmax only where both round alike: with XLA's CPU passes off
@@ -101,6 +102,18 @@ def test_hard_focus_mask_is_not_trivial():
     causal = np.tril(np.ones((T, T), bool))
     assert mask.sum() < B * causal.sum() - 20
     assert (np.asarray(mask) != causal).any(axis=(0, 2)).sum() >= T // 2  # many queries lose keys
+
+
+def test_cached_decoding_with_a_sink_equals_the_full_forward():
+    """FOCUS_SPEC OQ-12 in KV-cache decoding: with `focus_sink=2` every query also sees cache slots 0 and 1, as the
+    full forward (`focus_sparse_attention(sink=2)`) does; the sink changes that forward, so a cache that ignored it
+    would differ from it."""
+    model = _llama(dict(FOCUS, focus_sink=2))
+    tokens = _tokens()
+    full = model(tokens)
+    np.testing.assert_allclose(_decode_all(model, tokens, max_len=T + 3), full, atol=1e-4, rtol=0)
+    without = replace_attention(model, focus_sink=0)(tokens)
+    assert float(jnp.abs(full - without).max()) > 1e-3
 
 
 def test_gpt2_cached_decoding_equals_full_forward():

@@ -132,6 +132,26 @@ def test_focus_hard_topk_all_groups_equals_original(family):
     assert np.abs(_logits(sparse, tokens) - want).max() > 1e-3
 
 
+def test_a_focus_retrofit_with_a_sink_keeps_the_original_within_the_window_and_at_all_groups(family):
+    """FOCUS_SPEC OQ-12 and OQ-15 with a sink (`FocusConfig.sink`, the layers' `focus_sink`): the sink keys of a
+    sequence of <= window + 1 tokens are local anyway, and hard top-k = K keeps every causal pair, so both leave the
+    pretrained logits unchanged; past the window the soft gate spares the sink keys, which changes the logits of
+    the same retrofit (same centroids) without a sink."""
+    name, directory, _ = family
+    focus = FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW, sink=2)
+    original = from_hf(directory)
+    model = retrofit(from_hf(directory), focus, rngs=1)
+    assert {a.config.focus_sink for a in _attention(model)} == {_model_attention_config(model).focus_sink} == {2}
+    short, longer = _tokens(WINDOW + 1, seed=1), _tokens(LONG, seed=3)
+    _assert_close(_logits(model, short), _logits(original, short), atol=1e-6)
+    hard = retrofit(from_hf(directory), dataclasses.replace(focus, topk=GROUPS), rngs=1)
+    _assert_close(_logits(hard, longer), _logits(original, longer), atol=1e-5)
+    soft = _logits(model, longer)
+    without = _logits(replace_attention(model, focus_sink=0), longer)
+    assert np.abs(soft - without)[:, :WINDOW + 1].max() <= 1e-6
+    assert np.abs(soft - without)[:, WINDOW + 1:].max() > 1e-3
+
+
 def test_focal_constant(family):
     """Focal t = 1 is dense attention; t = 0.4 sharpens and changes the logits."""
     name, directory, _ = family
@@ -306,6 +326,7 @@ def test_configs_take_numpy_numbers_as_python_ones():
     (dict(groups=4, dim=16, window=8, lam=-1.0), "lam"),
     (dict(groups=4, dim=16, window=8, topk=5), "topk=5"),
     (dict(groups=4, dim=16, window=8, causal=1), "causal"),
+    (dict(groups=4, dim=16, window=8, sink=-1), "sink=-1"),
 ])
 def test_bad_focus_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"FocusConfig: .*\b{field}"):

@@ -894,6 +894,21 @@ def test_cli_sets_model_fields_the_experiment_leaves_out(tmp_path, cache_dir):
     assert (model["n_layers"], model["remat"], model["attn"]["softcap"]) == (1, True, 30.0)
 
 
+def test_cli_trains_a_focus_model_with_an_attention_sink(tmp_path, cache_dir):
+    """`--config.model.attn.focus_sink=2` (FOCUS_SPEC OQ-12) is set from the command line like the other Focus
+    settings: two steps train, and the stored run and the model it loads hold the sink."""
+    workdir = str(tmp_path / "run")
+    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
+                    f"--config.data.cache_dir={cache_dir}", "--config.total_steps=2", "--config.eval_batches=0",
+                    "--config.batch_size=8", "--config.model.n_layers=1", "--config.model.attn.kind=focus",
+                    "--config.model.attn.focus_window=16", "--config.model.attn.focus_sink=2"])
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    assert checkpoint.read_meta(workdir)[1]["config"]["model"]["attn"]["focus_sink"] == 2
+    assert [m["step"] for m in read_metrics(workdir, kind="train")][-1] == 2
+    assert load_model(workdir).layers[0].self_attn.config.focus_sink == 2
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

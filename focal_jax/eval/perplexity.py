@@ -9,10 +9,10 @@ dominance. A row per form:
 - loss: mean next-token NLL over the target tokens (`loss_mask`), as the trainer's `evaluate`; segment ids and
   positions of packed rows are honoured. perplexity = exp(loss).
 - pairs retained: of the causal pairs (query i, key j <= i, same segment, both real tokens), the fraction the hard
-  mask keeps (local, i - j <= w, or sharing one of their top-k groups), pooled over batches and averaged over
-  layers; every layer is counted from its own routing in that forward pass. distant pairs retained: the same among
-  the pairs with i - j > w only (the share the routing decides; App. C's "about 50% of distant pairs"). Counted
-  from per-group prefix counts, without a [T, T] array (`pair_counts`).
+  mask keeps (local, i - j <= w, sharing one of their top-k groups, or j a sink key: `focus_sink`), pooled over
+  batches and averaged over layers; every layer is counted from its own routing in that forward pass. distant pairs
+  retained: the same among the pairs with i - j > w only (the share the routing decides, and the sink; App. C's
+  "about 50% of distant pairs"). Counted from per-group prefix counts, without a [T, T] array (`pair_counts`).
 - dominance: share of real tokens in the largest group (argmax of g), averaged over layers; 1/K is perfect balance.
 
   python -m focal_jax.eval.perplexity --workdir DIR [--batches N] [--topk all|1,2] [--seq-len N]
@@ -50,11 +50,12 @@ BLOCK_ELEMENTS = 1 << 22  # 'blocks': query rows per block such that a block hol
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, method: str = "auto") -> dict:
+def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, sink: int = 0,
+                method: str = "auto") -> dict:
     """Per query, its causal keys and those the hard top-k Focus mask retains, counted without a `[T, T]` array.
 
     The hard mask (`focal_jax.attention.focus_mask`): query i sees key j iff j <= i, same segment, and
-    (i - j <= window or i and j share one of their top-k groups of g).
+    (i - j <= window or i and j share one of their top-k groups of g or j is a sink key).
 
     Args:
       g: `[B, T, K]` routing assignments (Sinkhorn output); each token's groups are `topk_membership(g, k)`.
@@ -62,13 +63,16 @@ def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, method:
       window: the local window w >= 0.
       segment_ids: optional int `[B, T]`; pairs never cross segments.
       valid: optional bool `[B, T]`; False marks padding, counted neither as query nor as key.
+      sink: the attention sink (FOCUS_SPEC OQ-12): the first `sink` tokens of each segment (of the row without
+        segment ids, padding included) are kept for every later query of their segment; 0 (default) for none.
       method: 'patterns' (prefix counts per membership pattern, one of the C(K, k) k-subsets: O(T C(K, k))),
         'blocks' (query blocks against all keys: O(T^2 K) work, O(block T) memory), or 'auto' (patterns when
         C(K, k) <= 256 and K <= 30, else blocks). Both are exact.
 
     Returns:
       dict of int32 `[B, T]` (zero at padding queries): `causal` (keys j <= i of i's segment), `retained` (those the
-      mask keeps), `distant` (those with i - j > window), `distant_retained` (distant ones sharing a group).
+      mask keeps), `distant` (those with i - j > window), `distant_retained` (distant ones sharing a group or
+      sink keys).
     """
     g = jnp.asarray(g)
     if g.ndim != 3 or g.shape[-1] < 1:
@@ -78,20 +82,25 @@ def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, method:
         raise ValueError(f"k must be an integer with 1 <= k <= K={n_groups}, got k={k!r}")
     if method not in PAIR_METHODS:
         raise ValueError(f"method must be one of {PAIR_METHODS}, got method={method!r}")
+    if isinstance(sink, bool) or not isinstance(sink, (int, np.integer)) or sink < 0:
+        raise ValueError(f"sink must be an integer >= 0, got sink={sink!r}")
     for name, x in (("segment_ids", segment_ids), ("valid", valid)):
         if x is not None and tuple(np.shape(x)) != g.shape[:2]:
             raise ValueError(f"{name} must have shape [batch, seq] = {g.shape[:2]}, got shape {np.shape(x)}")
     valid = jnp.ones(g.shape[:2], bool) if valid is None else jnp.asarray(valid, bool)
     keys = valid.astype(jnp.int32)
     membership = topk_membership(g, int(k))
+    sinks = None
+    if sink:  # a token's 1-based place in its segment, against sink
+        sinks = prefix_sums(jnp.ones(g.shape[:2] + (1,), jnp.int32), segment_ids)[..., 0] <= sink
     if method == "auto":
         method = "patterns" if n_groups <= 30 and math.comb(n_groups, k) <= MAX_PATTERNS else "blocks"
     if method == "patterns" and n_groups > 30:  # its patterns are int32 bitmasks of the groups
         raise ValueError(f"method='patterns' counts at most K=30 groups, got K={n_groups}: use 'blocks' or 'auto'")
     if method == "patterns":
-        distant_shared = _shared_by_patterns(membership, int(k), keys, window, segment_ids)
+        distant_shared = _shared_by_patterns(membership, int(k), keys, window, segment_ids, sinks)
     else:
-        distant_shared = _shared_by_blocks(membership, keys, window, segment_ids)
+        distant_shared = _shared_by_blocks(membership, keys, window, segment_ids, sinks)
     causal = prefix_sums(keys[..., None], segment_ids)[..., 0] * keys
     distant = distant_sums(keys[..., None], window=window, segment_ids=segment_ids)[..., 0] * keys
     distant_shared = distant_shared * keys
@@ -99,9 +108,10 @@ def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, method:
             "distant_retained": distant_shared}
 
 
-def _shared_by_patterns(membership, k, keys, window, segment_ids):
-    """Per query, its distant keys sharing a group: prefix counts `[B, T, P]` of each membership pattern (the
-    C(K, k) k-subsets of groups), summed over the patterns that intersect the query's own."""
+def _shared_by_patterns(membership, k, keys, window, segment_ids, sinks=None):
+    """Per query, its distant keys sharing a group or sink keys (`sinks`: bool `[B, T]` or None): prefix counts
+    `[B, T, P]` of each membership pattern (the C(K, k) k-subsets of groups), summed over the patterns that
+    intersect the query's own, plus those of the sink keys over the others."""
     n_groups = membership.shape[-1]
     patterns = np.array([sum(1 << g for g in subset) for subset in itertools.combinations(range(n_groups), k)],
                         np.int32)  # [P] bit masks
@@ -110,12 +120,17 @@ def _shared_by_patterns(membership, k, keys, window, segment_ids):
     is_pattern = bits[..., None] == jnp.asarray(patterns)  # [B, T, P], one True per token
     counts = distant_sums(is_pattern.astype(jnp.int32) * keys[..., None], window=window, segment_ids=segment_ids)
     own = intersect[jnp.argmax(is_pattern, axis=-1)]  # [B, T, P]: patterns sharing a group with the token's
-    return jnp.sum(counts * own, axis=-1)
+    shared = jnp.sum(counts * own, axis=-1)
+    if sinks is None:
+        return shared
+    sink_counts = distant_sums(is_pattern.astype(jnp.int32) * (keys * sinks)[..., None], window=window,
+                               segment_ids=segment_ids)
+    return shared + jnp.sum(sink_counts * (1 - own), axis=-1)
 
 
-def _shared_by_blocks(membership, keys, window, segment_ids):
-    """Per query, its distant keys sharing a group, by blocks of queries against all keys: `[B, block, T]` at a
-    time."""
+def _shared_by_blocks(membership, keys, window, segment_ids, sinks=None):
+    """Per query, its distant keys sharing a group or sink keys (`sinks`: bool `[B, T]` or None), by blocks of
+    queries against all keys: `[B, block, T]` at a time."""
     b, t, _ = membership.shape
     block = int(max(1, min(t, BLOCK_ELEMENTS // max(b * t, 1))))
     n_blocks = -(-t // block)
@@ -131,6 +146,8 @@ def _shared_by_blocks(membership, keys, window, segment_ids):
         query_segments = jax.lax.dynamic_slice_in_dim(padded_segments, start, block, axis=1)  # [B, C]
         query_pos = start + jnp.arange(block)
         share = jnp.einsum("bck,btk->bct", query_members, members) > 0
+        if sinks is not None:
+            share = share | sinks[:, None, :]
         distant = (query_pos[:, None] - key_pos[None, :]) > window  # also j < i
         same = query_segments[:, :, None] == segments[:, None, :]
         return jnp.sum(share & distant[None] & same & (keys[:, None, :] > 0), axis=-1, dtype=jnp.int32)  # [B, C]
@@ -161,7 +178,8 @@ def _eval_batch(graphdef, state, batch, *, pair_method):
         if config.focus_topk is not None:
             out["pairs"] = jax.lax.map(lambda g: pair_counts(g, config.focus_topk, window=config.focus_window,
                                                              segment_ids=batch.get("segment_ids"), valid=valid,
-                                                             method=pair_method), g)  # [L, B, T] each, layer by layer
+                                                             sink=config.focus_sink, method=pair_method),
+                                       g)  # [L, B, T] each, layer by layer
     return out
 
 

@@ -18,6 +18,7 @@ from focal_jax._validation import plain_numbers
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import TAU_MODES, attend, attention_logits, clip_tau, tau_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
+from focal_jax.attention.sink import MAX_FAST_SINK
 from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
 from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
@@ -154,6 +155,10 @@ class AttentionConfig:
       baseline of FOCUS_SPEC section 7; pair it with the trainer's `balance_weight`).
     focus_normalize: the routing scores (`routing_scores(normalize=...)`, FOCUS_SPEC OQ-2): True (default) the
       cosine of `x W_g` and each centroid, / focus_tau | False the raw dot product / focus_tau.
+    focus_sink: an attention sink for the Focus kinds (FOCUS_SPEC OQ-12): the first `focus_sink` tokens of each
+      document (segment; of the row without segment ids) are visible to every later query of that document,
+      ungated in the soft form, always allowed in the hard form and in KV-cache decoding (cache slots <
+      focus_sink). Default 0: off, the paper's.
     window: sliding window (Mistral) for 'dense' / 'focal' / 'focal_learned': key j is visible iff
       `0 <= i - j <= window` (Hugging Face's `sliding_window` is window + 1). None = full causal attention.
     """
@@ -183,6 +188,7 @@ class AttentionConfig:
     focus_causal: bool = False
     focus_assign: str = "sinkhorn"
     focus_normalize: bool = True
+    focus_sink: int = 0
     tau_mode: str = "prefix"
     tau_clip: str = "hard"
     tau_granularity: str = "layer"
@@ -200,6 +206,7 @@ class AttentionConfig:
         for name in ("d_model", "n_heads", "n_kv_heads", "head_dim", "focus_groups", "focus_dim", "focus_iters"):
             _int(name, getattr(self, name), 1)
         _int("focus_window", self.focus_window, 0)
+        _int("focus_sink", self.focus_sink, 0)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (GQA)")
         for name in ("qkv_bias", "out_bias", "focus_causal", "focus_normalize", "tau_bias"):
@@ -217,6 +224,9 @@ class AttentionConfig:
                 raise ValueError(f"kind={self.kind!r} is a registered function, which {name}={getattr(self, name)!r} "
                                  f"would not reach: it gets q, k, v and segment_ids only")
         _choice("impl", self.impl, IMPLS)
+        if self.impl in ("decomposed", "pallas") and self.focus_sink > MAX_FAST_SINK:
+            raise ValueError(f"impl={self.impl!r} takes focus_sink <= {MAX_FAST_SINK} (it gathers each query's sink "
+                             f"keys), got focus_sink={self.focus_sink}; use impl='xla'")
         _choice("focus_gate", self.focus_gate, GATES)
         _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
         _choice("tau_mode", self.tau_mode, TAU_MODES)
@@ -495,7 +505,8 @@ class Attention(nnx.Module):
             g = _assign(c, all_scores, causal=True)
             membership = fa.topk_membership(g, c.focus_topk)  # [B, S, K]
             q_membership = jax.lax.dynamic_slice(membership, (0, index, 0), (b, t, c.focus_groups))
-            mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership))
+            sink = (k_pos < c.focus_sink)[None, :]  # [1, S]: one sequence per row, so slot = position
+            mask = mask & (local_mask(q_pos, k_pos, c.focus_window) | group_mask(q_membership, membership) | sink)
         multiplier = _validate.logit_multiplier(q, scale, temperature)
         return attend(attention_logits(q, k_all, multiplier, c.softcap), v_all, mask), new
 
@@ -545,10 +556,12 @@ class Attention(nnx.Module):
             record["g"] = g
         if c.focus_topk is None:
             return fa.focus_attention(q, k, v, g, window=c.focus_window, gate=c.focus_gate, lam=c.focus_lam,
-                                      temperature=temperature, segment_ids=segment_ids, softcap=c.softcap)
+                                      temperature=temperature, segment_ids=segment_ids, sink=c.focus_sink,
+                                      softcap=c.softcap)
         membership = fa.topk_membership(g, c.focus_topk)
         return fa.focus_sparse_attention(q, k, v, membership, window=c.focus_window, temperature=temperature,
-                                         segment_ids=segment_ids, softcap=c.softcap, max_groups=c.focus_topk,
+                                         segment_ids=segment_ids, sink=c.focus_sink, softcap=c.softcap,
+                                         max_groups=c.focus_topk,
                                          impl=c.impl if c.impl in ("decomposed", "pallas") else "reference")
 
 

@@ -16,9 +16,10 @@ Without `cache` the models return logits only, as before. Decodable attention ki
 (`focus_causal=True`). Hard Focus keeps the routing scores of every cached token and re-runs the causal Sinkhorn over
 them at each step (O(max_len * K * iters), small next to attention over the cache): with prefix column sums, token
 i's assignment depends only on tokens <= i, so the cached tokens keep their groups and the new token's equals the
-full-sequence forward's. The new token attends to cached keys that are local or share one of its top-k groups.
-Non-causal Focus (the paper's Sinkhorn sees the future), soft Focus (the training form) and dynamic NTK RoPE
-(`rope_ntk_factor`: the base grows with the sequence, so cached keys would keep a shorter one's) raise ValueError.
+full-sequence forward's. The new token attends to cached keys that are local, share one of its top-k groups, or
+sit in the first `focus_sink` slots (the attention sink). Non-causal Focus (the paper's Sinkhorn sees the future),
+soft Focus (the training form) and dynamic NTK RoPE (`rope_ntk_factor`: the base grows with the sequence, so cached
+keys would keep a shorter one's) raise ValueError.
 
 Example:
   >>> import jax.numpy as jnp

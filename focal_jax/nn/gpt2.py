@@ -41,7 +41,7 @@ ACTIVATIONS = {
 ATTENTION_FIELDS = ("kind", "impl", "focal_t", "tau_min", "tau_max", "tau_mode", "tau_clip", "tau_granularity",
                     "tau_bias", "tau_input", "focus_groups", "focus_dim", "focus_window", "focus_tau", "focus_iters",
                     "focus_gate", "focus_lam", "focus_topk", "focus_causal", "focus_assign", "focus_normalize",
-                    "window", "softcap")
+                    "focus_sink", "window", "softcap")
 
 
 def _check_int(name, value, minimum=1):
@@ -60,7 +60,7 @@ class GPT2Config:
     `focal_jax.nn.attention.AttentionConfig` and are checked by it (an error names the field), e.g. `window=w`: a
     sliding window, key j visible to query i iff `0 <= i - j <= w` (kinds dense / focal / focal_learned; None = full
     causal attention); `tau_mode`, `tau_clip`, `tau_granularity`, `tau_bias`, `tau_input` for 'focal_learned';
-    `focus_assign`, `focus_normalize` for the Focus kinds; `softcap` on the logits.
+    `focus_assign`, `focus_normalize`, `focus_sink` for the Focus kinds; `softcap` on the logits.
     Hugging Face's GPT-2 has none of these (`focal_jax.convert.gpt2` keeps their defaults).
     """
 
@@ -90,6 +90,7 @@ class GPT2Config:
     focus_causal: bool = False
     focus_assign: str = "sinkhorn"
     focus_normalize: bool = True
+    focus_sink: int = 0
     tau_mode: str = "prefix"
     tau_clip: str = "hard"
     tau_granularity: str = "layer"

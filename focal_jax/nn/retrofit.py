@@ -70,7 +70,8 @@ class FocusConfig:
     `window` w (key j is local to query i iff 0 <= i - j <= w), routing temperature `tau`, Sinkhorn `iters`,
     soft `gate` ('paper' | 'log') with sharpness `lam`, hard top-k membership when `topk` is set (None: soft gate),
     `causal` routing (prefix column sums), `assign` ('sinkhorn', the paper's; 'softmax': the unbalanced collapse
-    baseline), `normalize` (cosine routing scores, the default; False: raw dot products). Fields mean
+    baseline), `normalize` (cosine routing scores, the default; False: raw dot products), `sink` (the first `sink`
+    tokens of each document visible to every later query, FOCUS_SPEC OQ-12; 0, the default, is off). Fields mean
     `AttentionConfig.focus_*`; checked at construction."""
 
     groups: int
@@ -84,6 +85,7 @@ class FocusConfig:
     causal: bool = False
     assign: str = "sinkhorn"
     normalize: bool = True
+    sink: int = 0
 
     def __post_init__(self):
         plain_numbers(self)
