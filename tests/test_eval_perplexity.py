@@ -116,20 +116,12 @@ def test_topk_table_hard_k_equals_K_is_dense_and_pairs_retained_match_the_dense_
     assert soft["pairs_retained"] is None and hard1["loss"] != pytest.approx(dense["loss"], rel=1e-4)
 
     # k = 1: count each layer's retained pairs with the naive dense mask, from the routing of the hard forward.
-    graphdef, state = nnx.split(attention_view(model, focus_topk=1))
-
-    @jax.jit
-    def routing(state, batch):
-        with record_attention() as records:
-            forward(nnx.merge(graphdef, state), batch)
-        return [r["g"] for r in records]
-
     segment_ids = batch["segment_ids"]
     valid = segment_ids != 0
     causal = causal_pairs(segment_ids, valid)
     distant = causal & (np.arange(2 * DOC_LEN)[:, None] - np.arange(2 * DOC_LEN)[None, :] > WINDOW)[None]
     retained, distant_retained, dominance = [], [], []
-    for g in routing(state, batch):
+    for g in layer_routings(attention_view(model, focus_topk=1), batch):
         mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, 1), window=WINDOW, segment_ids=segment_ids))
         retained.append((mask & causal).sum() / causal.sum())
         distant_retained.append((mask & distant).sum() / distant.sum())
@@ -142,6 +134,19 @@ def test_topk_table_hard_k_equals_K_is_dense_and_pairs_retained_match_the_dense_
 
     table = format_table(rows).splitlines()
     assert len(table) == 5 and table[3].startswith("| hard | 1 |") and "100.0%" in table[4]
+
+
+def layer_routings(model, batch):
+    """Each layer's routing g `[B, T, K]` in `model`'s forward on `batch` (`record_attention`)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def routing(state, batch):
+        with record_attention() as records:
+            forward(nnx.merge(graphdef, state), batch)
+        return [r["g"] for r in records]
+
+    return routing(state, batch)
 
 
 def segments_and_padding(b, t, rng):
@@ -399,18 +404,10 @@ def test_a_hard_model_with_a_sink_counts_the_pairs_its_sink_keeps(model):
     batch = packed(np.random.default_rng(6).integers(1, VOCAB, (3, DOC_LEN)).astype(np.int32))
     view = attention_view(model, focus_topk=1, focus_sink=2)
     result = evaluate_model(view, [batch])
-    graphdef, state = nnx.split(view)
-
-    @jax.jit
-    def routing(state, batch):
-        with record_attention() as records:
-            forward(nnx.merge(graphdef, state), batch)
-        return [r["g"] for r in records]
-
     segment_ids = batch["segment_ids"]
     causal = causal_pairs(segment_ids, segment_ids != 0)
     retained = []
-    for g in routing(state, batch):
+    for g in layer_routings(view, batch):
         mask = np.asarray(reference.focus_hard_mask(topk_numpy(g, 1), window=WINDOW, segment_ids=segment_ids))
         retained.append(((mask | sink_keys_numpy(segment_ids, 2)) & causal).sum() / causal.sum())
     np.testing.assert_allclose(result["pairs_retained"], np.mean(retained), rtol=1e-12)
