@@ -1211,13 +1211,12 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
         except ValueError:
             raise ValueError(f"multiplier must be a number or broadcastable to [batch, seq, heads] = {(b, t, h)}, "
                              f"got shape {multiplier.shape}") from None
-    if segment_ids is None:
-        segment_ids = jnp.zeros((b, t), jnp.int32)
     default_warps, default_stages = triton_launch(q.dtype)
     # A window past the sequence changes nothing; clamped, block bounds computed from it stay in int32.
     settings = Settings(block_size, band_block_size, min(window, t), softcap, scale, t, backend,
                         num_warps or default_warps, num_stages or default_stages, *_sets)
-    out, lse = _planned_attention(q, k, v, per_query, membership, segment_ids, settings=settings,
+    plan_segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
+    out, lse = _planned_attention(q, k, v, per_query, membership, plan_segments, settings=settings,
                                   max_groups=max_groups, mesh=mesh)
     if not sink:
         return out

@@ -420,12 +420,15 @@ def test_the_fast_paths_refuse_a_sink_over_64_by_name():
                  naive(q[:, short], k[:, short], v[:, short], mem[:, short], window=2, sink=100))
 
 
+@pytest.mark.parametrize("segments", [True, False])
 @pytest.mark.parametrize("impl", ["decomposed", "pallas"])
-def test_a_sink_with_bf16_inputs_follows_float32_reference(impl):
-    """bf16 inputs with a sink (set C merged outside the fast path): output in bf16 and gradients within bf16
-    rounding of the float32 reference."""
+def test_a_sink_with_bf16_inputs_follows_float32_reference(impl, segments):
+    """bf16 inputs with a sink (set C merged outside the fast path; its keys gathered per query with segment ids, a
+    slice of the row without): output in bf16 and gradients within bf16 rounding of the float32 reference."""
     q, k, v, mem, kw, block = build_case("sink_longer_than_documents_k2", seed=20)
     kw["sink"] = 5
+    if not segments:
+        kw["segment_ids"] = None
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     attend = lambda q, k, v: focus_sparse_attention(q, k, v, mem, impl=impl, block_size=block, **kw)
     got = attend(*bf16)
