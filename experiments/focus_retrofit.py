@@ -49,6 +49,10 @@ query, soften top-1's perplexity (Table 7's 82.9 against 42.8)? Train with it an
   retrofit groups=8,sink=1 K8-sink1
   python -m focal_jax.eval.perplexity --workdir /runs/focus_retrofit/gpt2-K8-sink1 --topk all
 
+Centroids initialised by k-means (FOCUS_SPEC OQ-6, as the Routing Transformer; not in the paper) against random ones:
+
+  retrofit groups=8,init=kmeans K8-kmeans
+
 The default cells (K4-dg16, K8-w128, K8-tau0.1, K8-iters10) repeat the runs gpt2-K4 and gpt2-K8.
 
 Evaluation: soft-gated and hard top-k perplexity with pairs retained and dominance for every k (the top-k sweep of
@@ -76,7 +80,9 @@ sliding window would be refused (Focus brings its own window), hence v0.2 / v0.3
 Arguments: init_from (a focal_jax workdir: its model and tokenizer), hf (a Hugging Face directory: its config.json,
 safetensors, and tokenizer.model or tokenizer.json), groups (K), dim (d_g), window (w), tau, iters (Sinkhorn), gate
 (paper | log), lam (the gate's lambda), causal (prefix-causal Sinkhorn), sink (the first `sink` tokens of each
-document visible to every query; default 0, the paper's), steps, data (a glob of training files;
+document visible to every query; default 0, the paper's), init (random | kmeans: the centroids fitted by k-means to
+each layer's projected routing inputs on the first batch, FOCUS_SPEC OQ-6; default random, the paper's), steps, data
+(a glob of training files;
 default: the base run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints
 hold the centroids only and record the base model.
 """
@@ -85,11 +91,11 @@ from focal_jax.configs import common
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", groups=4, steps=4000, data="",
+    arg = common.parse_arg(arg, runlocal=False, init_from="", hf="", groups=4, steps=4000, data="", init="random",
                            **common.FOCUS_ROUTING)
     config = common.base_config()
     common.start_from(config, init_from=arg.init_from, hf=arg.hf, experiment="focus_retrofit")
-    config.retrofit.focus = {"groups": arg.groups, **{k: arg[k] for k in common.FOCUS_ROUTING}}
+    config.retrofit.focus = {"groups": arg.groups, **{k: arg[k] for k in common.FOCUS_ROUTING}, "init": arg.init}
     config.optim.update(trainable="centroids", lr=1e-3, warmup_steps=100, weight_decay=0.0)
     common.set_data(config, arg.data)
     config = common.finetune_schedule(config, steps=arg.steps, local=arg.runlocal)

@@ -414,3 +414,86 @@ def test_a_registered_kind_is_not_retrofitted(monkeypatch):
     for change in (FocusConfig(groups=4, dim=8, window=4), FocalConfig(t=0.5)):
         with pytest.raises(ValueError, match="a kind registered with register_attention is its own function"):
             retrofit(model, change)
+
+
+# ------------------------------------------------------------------------------------------ k-means centroids
+
+
+@pytest.mark.parametrize("spherical", [True, False])
+def test_kmeans_finds_separated_clusters(spherical):
+    """Four clusters of 60 points around random centres (unit directions with `spherical`, else points far apart):
+    each centre has a centroid within the noise of it; the same key gives the same centroids; fewer points than
+    centroids are refused."""
+    from focal_jax.nn.retrofit import kmeans
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 8))
+    centres = centres / np.linalg.norm(centres, axis=-1, keepdims=True) * (1.0 if spherical else 10.0)
+    points = np.concatenate([c + 0.03 * rng.normal(size=(60, 8)) for c in centres]).astype(np.float32)
+    found = np.asarray(kmeans(points, 4, key=jax.random.key(1), spherical=spherical))
+    assert found.shape == (4, 8)
+    for c in centres:
+        nearest = found[np.argmin(np.linalg.norm(found - c, axis=-1))]
+        assert np.linalg.norm(nearest - c) < 0.05 * np.linalg.norm(c), (nearest, c)
+    if spherical:
+        np.testing.assert_allclose(np.linalg.norm(found, axis=-1), 1.0, atol=1e-6)
+    np.testing.assert_array_equal(found, np.asarray(kmeans(points, 4, key=jax.random.key(1), spherical=spherical)))
+    with pytest.raises(ValueError, match=r"k-means of 4 centroids needs points \[N >= 4, d\], got shape \(3, 8\)"):
+        kmeans(points[:3], 4, key=jax.random.key(1))
+
+
+def _projected_inputs(model, tokens, segment_ids=None):
+    """Each Focus layer's routing inputs `x W_g` at real tokens, from a recorded forward pass: `[N, d_g]` each."""
+    from focal_jax.nn.attention import record_attention
+
+    with record_attention() as records:
+        model(jnp.asarray(tokens), segment_ids=None if segment_ids is None else jnp.asarray(segment_ids))
+    real = np.ones(np.shape(tokens), bool) if segment_ids is None else np.asarray(segment_ids) != 0
+    return [np.asarray(r["x"] @ attn.w_g[...])[real] for r, attn in zip(records, _attention(model))]
+
+
+def test_a_kmeans_retrofit_fits_each_layers_centroids_to_its_routing_inputs(family):
+    """`FocusConfig(init='kmeans')` (FOCUS_SPEC OQ-6): each layer's centroids are the spherical k-means of its
+    projected routing inputs on the sample (checked from a forward pass of the result: every centroid is a unit
+    row, the mean direction of the inputs nearest to it, and they fit the inputs better than the random
+    centroids of `init='random'`); padding (segment id 0) is left out; `w_g` keeps its random values."""
+    name, directory, _ = family
+    tokens = _tokens(LONG, seed=4)
+    focus = FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW, init="kmeans")
+    model = retrofit(from_hf(directory), focus, rngs=1, init_batches=[tokens])
+    random = retrofit(from_hf(directory), dataclasses.replace(focus, init="random"), rngs=1)
+    for attn, base in zip(_attention(model), _attention(random)):
+        np.testing.assert_array_equal(attn.w_g[...], base.w_g[...])
+        assert not np.allclose(attn.centroids[...], base.centroids[...])
+    for points, attn, base in zip(_projected_inputs(model, tokens), _attention(model), _attention(random)):
+        units = points / np.linalg.norm(points, axis=-1, keepdims=True)
+        centroids = np.asarray(attn.centroids[...])
+        np.testing.assert_allclose(np.linalg.norm(centroids, axis=-1), 1.0, atol=1e-5)
+        nearest = np.argmax(units @ centroids.T, axis=-1)
+        for group in np.unique(nearest):
+            mean = units[nearest == group].mean(axis=0)
+            assert float(mean @ centroids[group] / np.linalg.norm(mean)) > 0.999
+        fit = lambda c: float(np.mean(np.max(units @ (c / np.linalg.norm(c, axis=-1, keepdims=True)).T, axis=-1)))
+        assert fit(centroids) > fit(np.asarray(base.centroids[...]))
+    # Padding: the tokens of segment 0 change, the centroids do not.
+    segment_ids = np.ones_like(tokens)
+    segment_ids[:, -5:] = 0
+    batch = lambda tokens: {"inputs": tokens, "segment_ids": segment_ids}
+    other = tokens.copy()
+    other[:, -5:] = (other[:, -5:] + 1) % VOCAB
+    fitted = [retrofit(from_hf(directory), focus, rngs=1, init_batches=[batch(t)]) for t in (tokens, other)]
+    for a, b in zip(*(_attention(m) for m in fitted)):
+        np.testing.assert_array_equal(a.centroids[...], b.centroids[...])
+
+
+def test_kmeans_init_is_asked_for_by_name():
+    """`init='kmeans'` needs `init_batches`, and `init_batches` need it; an unknown init is named."""
+    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=1, n_heads=4), rngs=nnx.Rngs(0))
+    tokens = np.zeros((1, 8), np.int32)
+    with pytest.raises(ValueError, match=r"FocusConfig\(init='kmeans'\) fits .*: pass init_batches=\[\.\.\.\]"):
+        retrofit(model, FocusConfig(groups=2, dim=8, window=2, init="kmeans"))
+    with pytest.raises(ValueError, match=r"init_batches are for FocusConfig\(init='kmeans'\), got FocalConfig"):
+        retrofit(model, FocalConfig(t=0.5), init_batches=[tokens])
+    with pytest.raises(ValueError, match=r"FocusConfig: init='means' is not one of \('random', 'kmeans'\)"):
+        FocusConfig(groups=2, dim=8, window=2, init="means")
+    assert "focus_init" not in FocusConfig(groups=2, dim=8, window=2, init="kmeans").attention_fields()

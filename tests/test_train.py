@@ -1035,6 +1035,51 @@ def test_retrofit_from_own_workdir_trains_centroids_only(tmp_path, cache_dir):
         load_model(retro)
 
 
+def test_a_kmeans_retrofit_fits_its_centroids_on_the_first_batch_and_resumes_exactly(tmp_path, cache_dir):
+    """`retrofit.focus.init='kmeans'` (FOCUS_SPEC OQ-6; `focus_retrofit.py:init=kmeans`): the centroids a run
+    starts from (its step-0 checkpoint) are unit rows other than init='random''s, the same in a second fresh run;
+    the batch k-means read is still the first one trained on (the data position after 2 steps is 2); a run
+    stopped after step 1 and resumed (no second k-means: the checkpoint's centroids) ends with the centroids and
+    losses of an uninterrupted one; freezing the centroids is refused."""
+    import orbax.checkpoint as ocp
+
+    base = str(tmp_path / "base")
+    train(tiny(cache_dir, total_steps=2), base)
+
+    def retrofit_config(init, **overrides):
+        config = load_experiment("focus_retrofit", f"runlocal,init_from={base},init={init}")
+        config.update({"batch_size": 8, "total_steps": 2, "eval_batches": 0, **overrides})
+        return config
+
+    def centroids(workdir):
+        model = load_model(workdir)
+        return [np.asarray(layer.self_attn.centroids[...]) for layer in model.layers]
+
+    for name, init in (("zero_a", "kmeans"), ("zero_b", "kmeans"), ("zero_random", "random")):
+        train(retrofit_config(init, total_steps=0), str(tmp_path / name))
+    fitted, again, random = (centroids(str(tmp_path / n)) for n in ("zero_a", "zero_b", "zero_random"))
+    for a, b, r in zip(fitted, again, random):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(np.linalg.norm(a, axis=-1), 1.0, atol=1e-5)
+        assert not np.allclose(a, r)
+
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(retrofit_config("kmeans"), straight)
+    train(retrofit_config("kmeans"), resumed, stop_after=1)
+    train(retrofit_config("kmeans"), resumed)
+    assert losses(straight) == losses(resumed)
+    for a, b in zip(centroids(straight), centroids(resumed)):
+        np.testing.assert_array_equal(a, b)
+    data_state = checkpoint.make_manager(straight, create=False).restore(
+        2, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    assert data_state == {"next_index": 2}
+    with pytest.raises(ConfigError, match=r"retrofit.focus.init='kmeans' needs the centroids trained "
+                                          r"\(optim.trainable\), but layers/0/self_attn/centroids is frozen"):
+        config = retrofit_config("kmeans")
+        config.optim.trainable_regex = "w_g"
+        train(config, str(tmp_path / "frozen"))
+
+
 def test_a_resumed_retrofit_stays_on_its_base_step(tmp_path, cache_dir):
     """A retrofit run resumed after its base run trained on starts again from the base step it was trained from
     (the one its checkpoint records), not from the base's latest: it records that step, and its frozen parameters

@@ -34,10 +34,13 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from focal_jax._validation import plain_numbers
-from focal_jax.nn.attention import CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig
+from focal_jax.nn.attention import (CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig,
+                                    record_attention)
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
 from focal_jax.nn.layers import as_rngs, float_dtype
 from focal_jax.nn.llama import Llama
@@ -48,6 +51,9 @@ from focal_jax.nn.variables import Centroid, LoRA, Temperature
 NEW_TYPES = (Centroid, Temperature, LoRA)
 TRAINABLE = {"all": nnx.Param, "centroids": Centroid, "temperature": Temperature,
              "centroids+temperature": (Centroid, Temperature), "lora": LoRA}
+
+CENTROID_INITS = ("random", "kmeans")
+KMEANS_ITERS = 20
 
 # A minimal valid AttentionConfig whose focus / focal fields are replaced to validate the retrofit configs.
 _PROBE = dict(d_model=1, n_heads=1, n_kv_heads=1, head_dim=2, rope_theta=None)
@@ -72,7 +78,9 @@ class FocusConfig:
     `causal` routing (prefix column sums), `assign` ('sinkhorn', the paper's; 'softmax': the unbalanced collapse
     baseline), `normalize` (cosine routing scores, the default; False: raw dot products), `sink` (the first `sink`
     tokens of each document visible to every later query, FOCUS_SPEC OQ-12; 0, the default, is off). Fields mean
-    `AttentionConfig.focus_*`; checked at construction."""
+    `AttentionConfig.focus_*`, except `init`, how `retrofit` sets the new centroids (FOCUS_SPEC OQ-6): 'random'
+    (default: random unit rows, `Attention`'s own) | 'kmeans' (k-means of each layer's projected routing inputs on
+    sample batches, `kmeans_centroids`; `retrofit` then needs `init_batches`). Checked at construction."""
 
     groups: int
     dim: int
@@ -86,15 +94,18 @@ class FocusConfig:
     assign: str = "sinkhorn"
     normalize: bool = True
     sink: int = 0
+    init: str = "random"
 
     def __post_init__(self):
         plain_numbers(self)
+        if self.init not in CENTROID_INITS:
+            raise ValueError(f"FocusConfig: init={self.init!r} is not one of {CENTROID_INITS}")
         renames = {f"focus_{f.name}": f.name for f in dataclasses.fields(self)}
         _validate("FocusConfig", {"kind": "focus", **self.attention_fields()}, renames)
 
     def attention_fields(self) -> dict:
-        """The `AttentionConfig` fields this config sets (all `focus_*` ones)."""
-        return {f"focus_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The `AttentionConfig` fields this config sets (the `focus_*` ones: every field but `init`)."""
+        return {f"focus_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "init"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +351,8 @@ def _retrofit_window(model, config: WindowConfig, impl: str | None):
     return replace_attention(model, window=config.window, **({} if impl is None else {"impl": impl}))
 
 
-def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | None = None, dtype=None):
+def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | None = None, dtype=None,
+             init_batches=None):
     """Put Focus or Focal attention into `model` (a `Llama` or `GPT2`) in place and return it.
 
     Args:
@@ -354,6 +366,9 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
       impl: optionally also switch the attention implementation (e.g. 'decomposed' for hard top-k Focus).
       dtype: dtype of the new parameters; None keeps `Attention`'s own (float32, also under a bf16 model, so
         that the trained routing parameters keep full precision).
+      init_batches: with `FocusConfig(init='kmeans')`, the sample the centroids are fitted on: a list of token
+        arrays `[B, T]` or of batch dicts (`inputs`, optional `positions`, `segment_ids`; segment id 0 is padding),
+        as `kmeans_centroids` takes. Only then.
 
     Returns:
       `model`, whose `Attention` modules have the new kind and config (`Centroid` / `Temperature` parameters added,
@@ -363,14 +378,19 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
       ValueError: an unsupported model type, a combination no attention kind expresses (learned Focal with Focus),
         a change that would drop parameters (constant Focal onto learned Focal), a Focus retrofit onto a model
         with a sliding window (Mistral's `window`) or with different `groups` / `dim` than the Focus it already
-        has, a `WindowConfig` on a Focus model (naming both windows), or any invalid resulting `AttentionConfig`
-        field (named).
+        has, a `WindowConfig` on a Focus model (naming both windows), any invalid resulting `AttentionConfig`
+        field (named), `init='kmeans'` without `init_batches` or `init_batches` without it.
     """
     if not isinstance(config, (FocusConfig, FocalConfig, LoRAConfig, WindowConfig)):
         raise ValueError(f"config must be a FocusConfig or FocalConfig (or a LoRAConfig or WindowConfig), got "
                          f"{type(config).__name__}")
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
+    kmeans = isinstance(config, FocusConfig) and config.init == "kmeans"
+    if kmeans and init_batches is None:
+        raise ValueError("FocusConfig(init='kmeans') fits the centroids on sample batches: pass init_batches=[...]")
+    if init_batches is not None and not kmeans:
+        raise ValueError(f"init_batches are for FocusConfig(init='kmeans'), got {config!r}")
     if isinstance(config, WindowConfig):
         return _retrofit_window(model, config, impl)
     rngs = as_rngs(rngs)
@@ -434,6 +454,105 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
             value = fresh[name] if dtype is None else fresh[name].astype(dtype)
             setattr(attn, name, variable_type(value))
     model.config = model_config
+    if kmeans:
+        kmeans_centroids(model, init_batches, key=rngs.params())
+    return model
+
+
+def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = True):
+    """k-means of `points [N, d]` -> centroids float32 `[k, d]`, seeded by k-means++ (each next seed drawn with
+    probability proportional to its squared distance to the nearest seed so far) from `key`, then `iters` Lloyd
+    steps. `spherical`: points and centroids are unit rows and the distance is `1 - cos` (the cosine routing's
+    geometry); else squared Euclidean distance. A cluster left empty keeps its centroid.
+
+    Raises ValueError when `points` is not 2-d or holds fewer than `k` rows.
+    """
+    points = jnp.asarray(points, jnp.float32)
+    if points.ndim != 2 or points.shape[0] < k:
+        raise ValueError(f"k-means of {k} centroids needs points [N >= {k}, d], got shape {points.shape}")
+    if spherical:
+        points = _unit_rows(points)
+
+    def distances(centroids):  # [N, k]
+        if spherical:
+            return 1.0 - points @ centroids.T
+        return jnp.sum((points[:, None] - centroids[None]) ** 2, axis=-1)
+
+    keys = jax.random.split(key, k)
+    centroids = jnp.zeros((k, points.shape[1]), jnp.float32).at[0].set(
+        points[jax.random.randint(keys[0], (), 0, points.shape[0])])
+    for i in range(1, k):
+        nearest = jnp.min(distances(centroids[:i]), axis=-1)
+        weights = jnp.maximum(nearest, 0.0) ** (2 if spherical else 1)  # squared distance (Euclidean: already)
+        index = jax.random.choice(keys[i], points.shape[0], p=weights / jnp.maximum(jnp.sum(weights), 1e-30))
+        centroids = centroids.at[i].set(points[index])
+
+    def lloyd(_, centroids):
+        assign = jnp.argmin(distances(centroids), axis=-1)
+        sums = jax.ops.segment_sum(points, assign, num_segments=k)
+        counts = jax.ops.segment_sum(jnp.ones(points.shape[0]), assign, num_segments=k)[:, None]
+        means = sums / jnp.maximum(counts, 1.0)
+        means = _unit_rows(means) if spherical else means
+        return jnp.where(counts > 0, means, centroids)
+
+    return jax.lax.fori_loop(0, iters, lloyd, centroids)
+
+
+def _unit_rows(x):
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
+    """FOCUS_SPEC OQ-6's optional initialisation (as the Routing Transformer's): set each Focus layer's centroids to
+    the k-means of its routing inputs projected by its `w_g`, `x W_g` at the real tokens of `batches`, in place.
+
+    Layer by layer, in order: layer l's inputs are recorded in a forward pass that already routes layers < l by
+    their new centroids. Spherical k-means (`kmeans`, unit centroids) for cosine routing (`focus_normalize`), plain
+    k-means of `x W_g` for the raw dot product; `w_g` keeps its values.
+
+    Args:
+      model: a `Llama` or `GPT2` with Focus attention (after `retrofit`).
+      batches: a list of token arrays `[B, T]`, or of batch dicts (`inputs [B, T]`, optional `positions`,
+        `segment_ids`: tokens of segment 0 are padding and left out).
+      key: PRNG key of the k-means++ seeding (one per layer is split from it).
+      iters: Lloyd iterations.
+
+    Returns:
+      `model`.
+
+    Raises:
+      ValueError: a model without Focus layers, no batches, or fewer real tokens than groups.
+    """
+    layers_of = lambda model: [attn for _, attn in attention_modules(model) if attn.config.kind in FOCUS_KINDS]
+    layers = layers_of(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no Focus attention layers to set centroids for")
+    batches = [b if isinstance(b, dict) else {"inputs": b} for b in batches]
+    if not batches:
+        raise ValueError("kmeans_centroids needs at least one batch of tokens")
+    graphdef, _ = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def routing_inputs(state, batch, layer_index):  # that Focus layer's x W_g [B, T, d_g]
+        recording = nnx.merge(graphdef, state)
+        if getattr(recording.config, "remat", False):  # (records hold the outer trace's values only)
+            recording.config = dataclasses.replace(recording.config, remat=False)
+        with record_attention() as records:
+            recording(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+        record = [r for r in records if r["config"].kind in FOCUS_KINDS][layer_index]
+        return record["x"].astype(jnp.float32) @ layers_of(recording)[layer_index].w_g[...].astype(jnp.float32)
+
+    for layer_index, (attn, layer_key) in enumerate(zip(layers, jax.random.split(key, len(layers)))):
+        points = []
+        for batch in batches:
+            projected = routing_inputs(nnx.state(model), batch, layer_index)
+            real = np.ones(projected.shape[:2], bool) if batch.get("segment_ids") is None else (
+                np.asarray(batch["segment_ids"]) != 0)
+            points.append(np.asarray(projected)[real])
+        c = attn.config
+        centroids = kmeans(np.concatenate(points), c.focus_groups, key=layer_key, iters=iters,
+                           spherical=c.focus_normalize)
+        attn.centroids[...] = centroids.astype(attn.centroids[...].dtype)
     return model
 
 

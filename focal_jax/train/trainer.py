@@ -26,7 +26,7 @@ from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
-from focal_jax.nn.retrofit import NEW_TYPES, retrofit
+from focal_jax.nn.retrofit import NEW_TYPES, FocusConfig, retrofit
 from focal_jax.nn.variables import Centroid, Temperature
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
@@ -200,10 +200,12 @@ def pinned_base_step(run: RunConfig, meta: dict | None = None) -> int | None:
     return checkpoint.read_meta(run.init_from)[0]
 
 
-def init_model(run: RunConfig, *, base_step: int | None = None):
+def init_model(run: RunConfig, *, base_step: int | None = None, init_batches=None):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
     pretrained `init_from` workdir's parameters (of its checkpoint `base_step`, default the latest), then the
-    retrofits (Focal, Focus, then LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`)."""
+    retrofits (Focal, Focus, then LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus
+    retrofit with `init='kmeans'` fits its centroids on `init_batches` (a list of batch dicts: a run's first
+    start); without them (a resume, a stored run's model) its centroids stay random, for a checkpoint to replace."""
     if base_step is not None:
         checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
     model = build_model(run, seed=run.seed, base_step=base_step)
@@ -212,8 +214,15 @@ def init_model(run: RunConfig, *, base_step: int | None = None):
             raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
         load_pretrained(model, run.init_from, step=base_step)
     for change in run.retrofit:
-        model = retrofit(model, change, rngs=run.seed)
+        if kmeans_init(change) and init_batches is None:
+            change = dataclasses.replace(change, init="random")
+        model = retrofit(model, change, rngs=run.seed, init_batches=init_batches if kmeans_init(change) else None)
     return model
+
+
+def kmeans_init(change) -> bool:
+    """Whether the retrofit `change` is Focus with k-means centroids (`FocusConfig(init='kmeans')`)."""
+    return isinstance(change, FocusConfig) and change.init == "kmeans"
 
 
 def load_model(workdir: str, *, step: int | None = None):
@@ -623,8 +632,18 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
 
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
+    data_iter = train_iterator(data)
+    init_batches = None
+    if resume_step is None and any(kmeans_init(change) for change in run.retrofit):
+        if jax.process_count() > 1:
+            raise ConfigError(f"retrofit.focus.init='kmeans' fits the centroids on one process's first batch; "
+                              f"{jax.process_count()} processes would fit different ones: use init='random'")
+        start = data_iter.get_state()
+        init_batches = [next(data_iter)]
+        data_iter.set_state(start)
+        log(f"retrofit: k-means centroids from the first batch ({run.batch_size} x {run.data.seq_len} tokens)")
     init_from_step = pinned_base_step(run, stored)
-    model = init_model(run, base_step=init_from_step)
+    model = init_model(run, base_step=init_from_step, init_batches=init_batches)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -639,6 +658,10 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         raise ConfigError(f"balance_weight={run.balance_weight} balances Focus groups, but the model's attention kind "
                           f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
     graphdef, trainable, frozen = split_trainable(model, run.optim)
+    frozen_centroids = [p for p in param_paths(frozen) if p.endswith("centroids")]
+    if frozen_centroids and any(kmeans_init(change) for change in run.retrofit):
+        raise ConfigError(f"retrofit.focus.init='kmeans' needs the centroids trained (optim.trainable), but "
+                          f"{frozen_centroids[0]} is frozen: a resumed run would rebuild it at random")
     flops_per_token = model_flops_per_token(model, frozen, run.data.seq_len)
     keep_float32 = routing_param_paths(model)
     del model
@@ -663,7 +686,6 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     def saved_params(trainable):
         return trainable if run.init_from else merge_params(trainable, frozen)
 
-    data_iter = train_iterator(data)
     start_step = 0
     if resume_step is not None:
         # (runs from scratch stored before 0.6.9 saved their trainable parameters only, the frozen ones being the
