@@ -229,6 +229,23 @@ def test_prefetch_thread_keeps_the_state_of_the_consumed_batches(tmp_path, token
         it.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_an_iterator_rewound_to_its_start_reads_its_batches_again(tmp_path, tokenizer_path, prefetch):
+    """The trainer's k-means init reads the first batch, then sets the iterator back to its starting state, so that
+    training starts at that batch: the same iterator then yields what a fresh one does (read-ahead batches of a
+    prefetching one dropped)."""
+    cfg = dataclasses.replace(resume_setup(tmp_path, tokenizer_path), prefetch=prefetch)
+    fresh = train_iterator(build(cfg))
+    expected = [next(fresh) for _ in range(6)]
+    fresh.close()
+    rewound = train_iterator(build(cfg))
+    start = rewound.get_state()
+    assert_batches_equal([next(rewound) for _ in range(2)], expected[:2])
+    rewound.set_state(start)
+    assert_batches_equal([next(rewound) for _ in range(6)], expected)
+    rewound.close()
+
+
 def test_a_state_holding_every_process_resumes_each(tmp_path, tokenizer_path):
     """Multi-process runs save one state with every process's positions (gathered by `get_state` under
     jax.distributed; here two processes are simulated): each process resumes from its own entry."""
