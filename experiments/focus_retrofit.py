@@ -82,9 +82,8 @@ safetensors, and tokenizer.model or tokenizer.json), groups (K), dim (d_g), wind
 (paper | log), lam (the gate's lambda), causal (prefix-causal Sinkhorn), sink (the first `sink` tokens of each
 document visible to every query; default 0, the paper's), init (random | kmeans: the centroids fitted by k-means to
 each layer's projected routing inputs on the first batch, FOCUS_SPEC OQ-6; default random, the paper's), steps, data
-(a glob of training files;
-default: the base run's data, or the builtin corpus), runlocal. One of init_from / hf is required. The checkpoints
-hold the centroids only and record the base model.
+(a glob of training files; default: the base run's data, or the builtin corpus), runlocal. One of init_from / hf is
+required. The checkpoints hold the centroids only and record the base model.
 """
 
 from focal_jax.configs import common

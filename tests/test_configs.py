@@ -111,7 +111,7 @@ def test_focus_scratch_dense_refuses_routing_arguments():
 
 def test_the_focus_experiments_take_an_attention_sink(tmp_path):
     """`sink=n` (FOCUS_SPEC OQ-12) reaches the retrofit's Focus settings and the from-scratch model's layers; the
-    dense control refuses it, as any routing argument."""
+    dense control refuses it, as any routing argument. The retrofit takes `init=kmeans` too."""
     from focal_jax.train.config import check_config
 
     (tmp_path / "tokenizer.model").write_bytes(b"")
@@ -119,6 +119,8 @@ def test_the_focus_experiments_take_an_attention_sink(tmp_path):
     retrofit = check_config(load_experiment("focus_retrofit", f"hf={tmp_path},groups=8,sink=1"))
     assert retrofit.retrofit[0].attention_fields()["focus_sink"] == 1
     assert load_experiment("focus_retrofit", f"hf={tmp_path}").retrofit.focus.sink == 0
+    kmeans = check_config(load_experiment("focus_retrofit", f"hf={tmp_path},init=kmeans"))  # FOCUS_SPEC OQ-6
+    assert kmeans.retrofit[0].init == "kmeans" and "focus_init" not in kmeans.retrofit[0].attention_fields()
     assert load_experiment("focus_scratch", "runlocal,sink=2").model.attn.focus_sink == 2
     with pytest.raises(ValueError, match=r"\{'sink': 2\} set the Focus routing, which attn=dense does not have"):
         load_experiment("focus_scratch", "runlocal,attn=dense,sink=2")
