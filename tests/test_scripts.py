@@ -25,7 +25,9 @@ def test_bench_prints_every_variant(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
     names = [row.split("|")[2].strip() for row in rows]
     assert names == ["dense", bench.REFERENCE, bench.BLOCKWISE, "focal (t=0.4)", bench.SOFT,
-                     "Focus hard k=1 (decomposed)", "Focus hard k=1 (decomposed, K * T entries)", bench.ROUTING]
+                     "Focus hard k=1 (decomposed)", "Focus hard k=1 (decomposed, K * T entries)",
+                     f"Focus hard k=1 (decomposed, sink {bench.SINK})",
+                     f"Focus hard k=1 (decomposed, sink {bench.SINK}, segment ids)", bench.ROUTING]
     assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
 
 
