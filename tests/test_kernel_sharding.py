@@ -84,9 +84,10 @@ CONTRAST = "GQA, batch over data x fsdp, heads over tensor"  # also compiled out
 @pytest.mark.parametrize("name", CASES)
 def test_focus_sparse_pallas_per_shard_equals_reference(name):
     """A jitted loss + gradient (q, k, v and a per-query temperature) through `focus_sparse_attention(
-    impl='pallas')` on sharded inputs under `jax.set_mesh`: equal to the unsharded reference, each kernel sees
-    its shard only, and (when the heads split) the compiled step gathers nothing, while the same step outside the
-    mesh context gathers the kernels' operands."""
+    impl='pallas')` on sharded inputs under `jax.set_mesh`, with an attention sink of 3 (set C, computed by XLA
+    outside the kernels): equal to the unsharded reference, each kernel sees its shard only, and (when the heads
+    split) the compiled step gathers nothing, while the same step outside the mesh context gathers the kernels'
+    operands."""
     shape, b, h, hk = CASES[name]
     mesh, t, d = make_mesh(shape), 40, 8
     q, k, v = rand_qkv(len(name), b, t, h, hk, d)
@@ -96,7 +97,7 @@ def test_focus_sparse_pallas_per_shard_equals_reference(name):
 
     def loss(attend):
         def fn(q, k, v, temperature, membership, segment_ids):
-            out = attend(q, k, v, membership, window=5, temperature=temperature, segment_ids=segment_ids)
+            out = attend(q, k, v, membership, window=5, temperature=temperature, segment_ids=segment_ids, sink=3)
             return jnp.sum(jnp.sin(out)), out
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3), has_aux=True)
 
@@ -292,7 +293,8 @@ def test_attention_functions_under_an_explicit_mesh():
     'data' (batch) and 'tensor' (heads; one kv head a device) and the routing inputs over 'data': every public
     function gives the unsharded call's values, sharded as its inputs (`jnp.repeat` of the kv heads, `jnp.unique`
     and `vmap` of the segment reductions and the decomposed path's `lax.map` over the batch raised before), and
-    the attention functions their gradients, sharded as q, k, v."""
+    the attention functions their gradients, sharded as q, k, v. The Focus functions with a sink of 2 (each
+    document's; the fast paths' set C gathered in XLA)."""
     mesh = jax.make_mesh((2, 1, 2), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:4])
     b, t = 4, 24
     q, k, v = rand_qkv(13, b, t, 4, 2, 8)
@@ -300,19 +302,20 @@ def test_attention_functions_under_an_explicit_mesh():
     x, w_tau = jax.random.normal(jax.random.key(15), (b, t, 16)), jax.random.normal(jax.random.key(16), (16,))
     args = (q, k, v, scores, topk_membership(scores, 1), jnp.zeros((b, t), jnp.int32).at[:, 13:].set(1), x)
     sparse = lambda impl: lambda q, k, v, s, m, seg, x: focus_sparse_attention(
-        q, k, v, m, window=3, impl=impl, block_size=8, segment_ids=seg, temperature=0.7)
+        q, k, v, m, window=3, impl=impl, block_size=8, segment_ids=seg, temperature=0.7, sink=2)
     attention = {
         "dot_product_attention": lambda q, k, v, s, m, seg, x: fa.dot_product_attention(q, k, v, window=5,
                                                                                           segment_ids=seg),
         "focal_attention": lambda q, k, v, s, m, seg, x: fa.focal_attention(q, k, v, temperature=0.5,
                                                                             segment_ids=seg),
-        "focus_attention": lambda q, k, v, s, m, seg, x: fa.focus_attention(q, k, v, s, window=3, segment_ids=seg),
+        "focus_attention": lambda q, k, v, s, m, seg, x: fa.focus_attention(q, k, v, s, window=3, segment_ids=seg,
+                                                                            sink=2),
         **{f"focus_sparse_attention {impl}": sparse(impl) for impl in ("reference", "decomposed", "pallas")},
     }
     routing = {
         "sinkhorn": lambda q, k, v, s, m, seg, x: fa.sinkhorn(s, segment_ids=seg),
         "sinkhorn causal": lambda q, k, v, s, m, seg, x: fa.sinkhorn(s, segment_ids=seg, causal=True, unroll=False),
-        "focus_mask": lambda q, k, v, s, m, seg, x: fa.focus_mask(m, window=3, segment_ids=seg),
+        "focus_mask": lambda q, k, v, s, m, seg, x: fa.focus_mask(m, window=3, segment_ids=seg, sink=2),
         "learned_temperature": lambda q, k, v, s, m, seg, x: fa.learned_temperature(x, w_tau, tau_min=0.5,
                                                                                      tau_max=8.0, segment_ids=seg),
     }

@@ -142,9 +142,9 @@ class FocalConfig:
             if (self.tau_min, self.tau_max) != (5.0, 10.0):
                 raise ValueError(f"FocalConfig: tau_min={self.tau_min!r}, tau_max={self.tau_max!r} are for the "
                                  f"learned temperature; set learned=True or leave them unset")
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name in LEARNED_FIELDS[2:]:
-                default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-                if getattr(self, name) != default:
+                if getattr(self, name) != defaults[name]:
                     raise ValueError(f"FocalConfig: {name}={getattr(self, name)!r} is for the learned temperature; "
                                      f"set learned=True or leave {name} unset")
             if self.t is None:
