@@ -881,6 +881,16 @@ def test_cli_names_a_missing_process_id(tmp_path):
     assert proc.returncode != 0 and "JAX_NUM_PROCESSES=2 is set, so JAX_PROCESS_ID must be too" in output, output
 
 
+def test_cli_names_a_bad_distributed_setting(tmp_path):
+    """`--distributed` is read before the config file (which may start JAX's backend by reading a base run's
+    checkpoint, after which `jax.distributed.initialize` is refused), so a bad value is named there, in one line."""
+    proc = run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", str(tmp_path),
+                    "--distributed", "maybe"])
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, output
+    assert "error: --distributed='maybe' is not one of 'auto', 'on', 'off'" in output, output
+
+
 def test_cli_sets_model_fields_the_experiment_leaves_out(tmp_path, cache_dir):
     """The `model` section holds only what the experiment sets; any LlamaConfig field can still be given."""
     workdir = str(tmp_path / "run")
@@ -938,6 +948,33 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     assert "in 2 process(es)" in outputs[0] and "devices: 8" in outputs[0]
     np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
     assert latest_step(two) == 2
+
+
+def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir):
+    """`retrofit.focus.init='kmeans'` in 2 processes: each fits on the whole first batch (gathered from both), so
+    the run equals the one-process run (centroids at step 0, losses)."""
+    base = str(tmp_path / "base")
+    train(tiny(cache_dir, total_steps=2), base)
+    config = load_experiment("focus_retrofit", f"runlocal,init_from={base},init=kmeans")
+    config.update(batch_size=8, total_steps=2, eval_batches=0)
+    config.data.cache_dir = cache_dir
+    one = str(tmp_path / "one")
+    train(config, one)
+    two = str(tmp_path / "two")
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,init_from={base},init=kmeans",
+                              "--workdir", two, f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
+                              "--config.eval_batches=0", "--config.total_steps=2"], env=env))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "in 2 process(es)" in outputs[0] and "k-means centroids from the first batch" in outputs[0]
+    np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
+    for a, b in zip(load_model(one).layers, load_model(two).layers):
+        np.testing.assert_allclose(a.self_attn.centroids[...], b.self_attn.centroids[...], atol=1e-5)
 
 
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, cache_dir):

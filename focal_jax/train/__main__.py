@@ -40,17 +40,41 @@ def _fail(message: str):
     sys.exit(2)
 
 
-def config_file(argv) -> str | None:
-    """The file part of `--config FILE[:ARG]` in `argv` (None when absent)."""
+def flag_value(argv, flag: str) -> str | None:
+    """The value of `--flag=VALUE` or `--flag VALUE` in `argv` (None when absent), read before absl parses them."""
     for i, arg in enumerate(argv):
         if arg == "--":
             break
         name, eq, value = arg.lstrip("-").partition("=")
-        if arg.startswith("-") and name == "config":
-            if not eq:
-                value = argv[i + 1] if i + 1 < len(argv) else ""
-            return value.split(":", 1)[0]
+        if arg.startswith("-") and name == flag:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
     return None
+
+
+def config_file(argv) -> str | None:
+    """The file part of `--config FILE[:ARG]` in `argv` (None when absent)."""
+    value = flag_value(argv, "config")
+    return None if value is None else value.split(":", 1)[0]
+
+
+def initialize_distributed(argv):
+    """`jax.distributed.initialize()` when `--distributed` (read from `argv`) is 'on', or 'auto' (the default) in a
+    multi-process environment. Called before the config file is read: a config that reads its base run's
+    checkpoint (`init_from`) starts JAX's backend, after which `initialize` is refused."""
+    distributed = flag_value(argv, "distributed") or "auto"
+    if distributed not in ("auto", "on", "off"):
+        _fail(f"--distributed={distributed!r} is not one of 'auto', 'on', 'off'")
+    if distributed == "off" or (distributed == "auto" and not multi_process_environment()):
+        return
+    kwargs = {}
+    if "JAX_NUM_PROCESSES" in os.environ:
+        if "JAX_PROCESS_ID" not in os.environ:
+            _fail(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} is set, so JAX_PROCESS_ID must be too: each "
+                  f"process's id in [0, JAX_NUM_PROCESSES)")
+        kwargs = dict(coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+    jax.distributed.initialize(**kwargs)
 
 
 def parse_flags(argv):
@@ -59,6 +83,8 @@ def parse_flags(argv):
     (ml_collections gives its whole traceback) included; a section given a value (`--config.data.task_kwargs=
     n_pairs=8`, the form before 0.6.10) is told to set its keys one by one."""
     path = config_file(argv[1:])
+    if not any(arg.split("=", 1)[0] in HELP_FLAGS for arg in argv[1:]):
+        initialize_distributed(argv[1:])
     if path and not os.path.isfile(path):
         _fail(f"--config: no file {path!r} (relative paths are from the working directory {os.getcwd()}; the "
               f"experiments/ files are in the repository, not installed with the package: run from its root or give "
@@ -110,18 +136,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file operation at INFO
-    distributed = flags.FLAGS.distributed
-    if distributed == "on" or (distributed == "auto" and multi_process_environment()):
-        kwargs = {}
-        if "JAX_NUM_PROCESSES" in os.environ:
-            if "JAX_PROCESS_ID" not in os.environ:
-                raise app.UsageError(f"JAX_NUM_PROCESSES={os.environ['JAX_NUM_PROCESSES']} is set, so JAX_PROCESS_ID "
-                                     f"must be too: each process's id in [0, JAX_NUM_PROCESSES)")
-            kwargs = dict(coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                          num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                          process_id=int(os.environ["JAX_PROCESS_ID"]))
-        jax.distributed.initialize(**kwargs)
-    # after initialize(): no JAX backend may start before it
+    # imported after `initialize_distributed` (in `parse_flags`): no JAX backend may start before it
     from focal_jax.train.config import ConfigError
     from focal_jax.train.trainer import check_run, train
 

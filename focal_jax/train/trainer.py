@@ -635,12 +635,15 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     data_iter = train_iterator(data)
     init_batches = None
     if resume_step is None and any(kmeans_init(change) for change in run.retrofit):
-        if jax.process_count() > 1:
-            raise ConfigError(f"retrofit.focus.init='kmeans' fits the centroids on one process's first batch; "
-                              f"{jax.process_count()} processes would fit different ones: use init='random'")
         start = data_iter.get_state()
-        init_batches = [next(data_iter)]
+        first = next(data_iter)
         data_iter.set_state(start)
+        if jax.process_count() > 1:  # each process fits on the whole first batch, so all fit the same centroids
+            from jax.experimental import multihost_utils
+
+            first = {name: np.asarray(rows) for name, rows in
+                     multihost_utils.process_allgather(first, tiled=True).items()}
+        init_batches = [first]
         log(f"retrofit: k-means centroids from the first batch ({run.batch_size} x {run.data.seq_len} tokens)")
     init_from_step = pinned_base_step(run, stored)
     model = init_model(run, base_step=init_from_step, init_batches=init_batches)
@@ -675,6 +678,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     # ---------------------------------------------------------------- Optimizer, sharding
     tx = make_optimizer(run.optim, run.total_steps)
     trainable_sharding, frozen_sharding = tree_shardings(trainable, mesh), tree_shardings(frozen, mesh)
+    if jax.process_count() > 1:
+        # Arrays on this process's devices (a restored base run's) cannot be put on another host's: place host copies
+        trainable, frozen = jax.tree.map(np.asarray, trainable), jax.tree.map(np.asarray, frozen)
     trainable = jax.device_put(trainable, trainable_sharding)
     frozen = jax.device_put(frozen, frozen_sharding)
     opt_sharding = tree_shardings(jax.eval_shape(tx.init, trainable), mesh)
