@@ -15,7 +15,7 @@ cotangent). Memory O(B * T * sink * (Hk * D + H)), hence `MAX_FAST_SINK`.
 import jax
 import jax.numpy as jnp
 
-from focal_jax.attention.segments import segment_runs
+from focal_jax.attention.segments import segment_prefix, segment_runs
 
 MAX_FAST_SINK = 64  # the largest sink (after clamping to T) of the fast paths; 'reference' takes any
 NEG_INF = -1e30  # finite "minus infinity": a query without set-C pairs keeps finite (zero-weight) values
@@ -42,13 +42,8 @@ def sink_key_mask(segment_ids, sink, b, t):
     without segment ids)."""
     if segment_ids is None:
         return jnp.broadcast_to(jnp.arange(t) < sink, (b, t))
-
-    def one_row(ids):
-        order, first = _first_of_segment(ids)
-        rank = jnp.zeros_like(first).at[order].set(jnp.arange(t, dtype=jnp.int32)) - first
-        return rank < sink
-
-    return jax.vmap(one_row)(jnp.asarray(segment_ids))
+    place = jax.vmap(lambda ids: segment_prefix(jnp.ones(t, jnp.int32), ids, "sum"))  # 1-based, in its segment
+    return place(jnp.asarray(segment_ids)) <= sink
 
 
 def sink_keys(segment_ids, sink, b, t):

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.attention import topk_membership
+from focal_jax.attention.sink import sink_key_mask
 from focal_jax.eval._cli import output_file_error, rope_ntk_factor
 from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
                                         is_focus, load_run, prefix_sums, real_tokens, routed_layers)
@@ -90,9 +91,7 @@ def pair_counts(g, k: int, *, window: int, segment_ids=None, valid=None, sink: i
     valid = jnp.ones(g.shape[:2], bool) if valid is None else jnp.asarray(valid, bool)
     keys = valid.astype(jnp.int32)
     membership = topk_membership(g, int(k))
-    sinks = None
-    if sink:  # a token's 1-based place in its segment, against sink
-        sinks = prefix_sums(jnp.ones(g.shape[:2] + (1,), jnp.int32), segment_ids)[..., 0] <= sink
+    sinks = sink_key_mask(segment_ids, sink, *g.shape[:2]) if sink else None
     if method == "auto":
         method = "patterns" if n_groups <= 30 and math.comb(n_groups, k) <= MAX_PATTERNS else "blocks"
     if method == "patterns" and n_groups > 30:  # its patterns are int32 bitmasks of the groups

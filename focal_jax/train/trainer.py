@@ -634,7 +634,8 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
     data_iter = train_iterator(data)
     init_batches = None
-    if resume_step is None and any(kmeans_init(change) for change in run.retrofit):
+    kmeans = any(kmeans_init(change) for change in run.retrofit)
+    if kmeans and resume_step is None:
         start = data_iter.get_state()
         first = next(data_iter)
         data_iter.set_state(start)
@@ -662,7 +663,7 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
                           f"is {kinds}: set it to 0, or give the model Focus (model.attn.kind, retrofit.focus)")
     graphdef, trainable, frozen = split_trainable(model, run.optim)
     frozen_centroids = [p for p in param_paths(frozen) if p.endswith("centroids")]
-    if frozen_centroids and any(kmeans_init(change) for change in run.retrofit):
+    if frozen_centroids and kmeans:
         raise ConfigError(f"retrofit.focus.init='kmeans' needs the centroids trained (optim.trainable), but "
                           f"{frozen_centroids[0]} is frozen: a resumed run would rebuild it at random")
     flops_per_token = model_flops_per_token(model, frozen, run.data.seq_len)
