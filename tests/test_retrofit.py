@@ -486,6 +486,28 @@ def test_a_kmeans_retrofit_fits_each_layers_centroids_to_its_routing_inputs(fami
         np.testing.assert_array_equal(a.centroids[...], b.centroids[...])
 
 
+def test_kmeans_centroids_compile_one_forward_for_all_layers(monkeypatch):
+    """`kmeans_centroids` records each Focus layer's inputs with one compiled forward (the layer index is traced):
+    a 3-layer model over 2 batches traces the forward once, not once per layer (a compile each: minutes at 7B)."""
+    import contextlib
+
+    from focal_jax.nn import retrofit as retrofit_module
+
+    traced, recording = [], retrofit_module.record_attention
+
+    @contextlib.contextmanager
+    def counted():
+        traced.append(1)
+        with recording() as records:
+            yield records
+
+    monkeypatch.setattr(retrofit_module, "record_attention", counted)
+    model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=3, n_heads=4), rngs=nnx.Rngs(0))
+    batches = [_tokens(12, seed=s) % 50 for s in (1, 2)]
+    retrofit(model, FocusConfig(groups=2, dim=8, window=2, init="kmeans"), init_batches=batches)
+    assert len(traced) == 1
+
+
 def test_kmeans_init_is_asked_for_by_name():
     """`init='kmeans'` needs `init_batches`, and `init_batches` need it; an unknown init is named."""
     model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=1, n_heads=4), rngs=nnx.Rngs(0))

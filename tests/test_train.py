@@ -24,6 +24,7 @@ import optax
 import pytest
 from flax import nnx
 
+from focal_jax.convert.hf import to_hf
 from focal_jax.nn.attention import record_attention
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, focal_config
@@ -950,12 +951,23 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     assert latest_step(two) == 2
 
 
-def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir):
-    """`retrofit.focus.init='kmeans'` in 2 processes: each fits on the whole first batch (gathered from both), so
-    the run equals the one-process run (centroids at step 0, losses)."""
+@pytest.mark.parametrize("start", ["focal_jax run", "Hugging Face directory"])
+def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, start):
+    """`retrofit.focus.init='kmeans'` in 2 processes: the sharded forward reads the first batch of both and each
+    process's k-means sees all of its routing inputs, so the run equals the one-process run (centroids at step 0,
+    losses). From a focal_jax run (`init_from=`: its config is read before the processes connect) and from a
+    Hugging Face directory (`hf=`: a dense base run written by `to_hf`, with its tokenizer.model)."""
     base = str(tmp_path / "base")
-    train(tiny(cache_dir, total_steps=2), base)
-    config = load_experiment("focus_retrofit", f"runlocal,init_from={base},init=kmeans")
+    if start == "focal_jax run":
+        train(tiny(cache_dir, total_steps=2), base)
+        start_from = f"init_from={base}"
+    else:
+        train(tiny(cache_dir, total_steps=2, model=dense_model()), base)
+        hf_dir = tmp_path / "hf"
+        to_hf(load_model(base), str(hf_dir))
+        shutil.copy(os.path.join(base, "tokenizer.model"), hf_dir / "tokenizer.model")
+        start_from = f"hf={hf_dir}"
+    config = load_experiment("focus_retrofit", f"runlocal,{start_from},init=kmeans")
     config.update(batch_size=8, total_steps=2, eval_batches=0)
     config.data.cache_dir = cache_dir
     one = str(tmp_path / "one")
@@ -966,7 +978,7 @@ def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir):
         env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
                    JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                    XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,init_from={base},init=kmeans",
+        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,{start_from},init=kmeans",
                               "--workdir", two, f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
                               "--config.eval_batches=0", "--config.total_steps=2"], env=env))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
@@ -1115,6 +1127,36 @@ def test_a_kmeans_retrofit_fits_its_centroids_on_the_first_batch_and_resumes_exa
         config = retrofit_config("kmeans")
         config.optim.trainable_regex = "w_g"
         train(config, str(tmp_path / "frozen"))
+
+
+def test_a_kmeans_retrofit_fits_on_the_parameters_placed_on_the_mesh(tmp_path, cache_dir, monkeypatch):
+    """The k-means forward passes of `retrofit.focus.init='kmeans'` run on the run's placed parameters and global
+    batch, not on a copy of the whole model on one device (which a 7B model would not fit): under mesh data 2 x
+    fsdp 2 x tensor 2 the q projection k-means reads is split over fsdp and tensor, the batch over data and fsdp.
+    The centroids the run starts from equal those of the same run on mesh data 8 (1e-5)."""
+    from jax.sharding import PartitionSpec as P
+
+    base = str(tmp_path / "base")
+    train(tiny(cache_dir, total_steps=2), base)
+    seen, fit = {}, trainer.kmeans_centroids
+
+    def spied(model, batches, **kwargs):
+        seen["q_proj"] = model.layers[0].self_attn.q_proj.kernel[...].sharding
+        seen["inputs"] = batches[0]["inputs"].sharding
+        return fit(model, batches, **kwargs)
+
+    monkeypatch.setattr(trainer, "kmeans_centroids", spied)
+    started = {}
+    for name, mesh in (("split", {"data": 2, "fsdp": 2, "tensor": 2}), ("data", {"data": 8, "fsdp": 1, "tensor": 1})):
+        config = load_experiment("focus_retrofit", f"runlocal,init_from={base},init=kmeans")
+        config.update(batch_size=8, total_steps=0, eval_batches=0, mesh=mesh)
+        train(config, str(tmp_path / name))
+        started[name] = [np.asarray(layer.self_attn.centroids[...]) for layer in load_model(str(tmp_path / name)).layers]
+        if name == "split":
+            assert seen["q_proj"].spec == P("fsdp", "tensor") and len(seen["q_proj"].device_set) == 8
+            assert seen["inputs"].spec[0] == ("data", "fsdp")
+    for a, b in zip(started["split"], started["data"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_a_resumed_retrofit_stays_on_its_base_step(tmp_path, cache_dir):

@@ -473,10 +473,12 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
     if spherical:
         points = _unit_rows(points)
 
-    def distances(centroids):  # [N, k]
+    squared_norms = jnp.sum(points**2, axis=-1, keepdims=True)
+
+    def distances(centroids):  # [N, k], without an [N, k, d] difference
         if spherical:
             return 1.0 - points @ centroids.T
-        return jnp.sum((points[:, None] - centroids[None]) ** 2, axis=-1)
+        return jnp.maximum(squared_norms - 2.0 * points @ centroids.T + jnp.sum(centroids**2, axis=-1), 0.0)
 
     keys = jax.random.split(key, k)
     centroids = jnp.zeros((k, points.shape[1]), jnp.float32).at[0].set(
@@ -498,6 +500,15 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
     return jax.lax.fori_loop(0, iters, lloyd, centroids)
 
 
+def _on_host(x) -> np.ndarray:
+    """A numpy copy of the whole of `x`, also of a jax array spread over several processes' devices."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _unit_rows(x):
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
@@ -507,13 +518,17 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
     the k-means of its routing inputs projected by its `w_g`, `x W_g` at the real tokens of `batches`, in place.
 
     Layer by layer, in order: layer l's inputs are recorded in a forward pass that already routes layers < l by
-    their new centroids. Spherical k-means (`kmeans`, unit centroids) for cosine routing (`focus_normalize`), plain
-    k-means of `x W_g` for the raw dot product; `w_g` keeps its values.
+    their new centroids (one compiled forward serves every layer). Spherical k-means (`kmeans`, unit centroids) for
+    cosine routing (`focus_normalize`), plain k-means of `x W_g` for the raw dot product; `w_g` keeps its values.
+
+    The forward runs where the parameters and batches are: with arrays sharded over a mesh (the trainer's), it is
+    a sharded forward, and only the projected inputs `[B, T, d_g]` come to the host (from every process, in a
+    multi-process run). The k-means itself runs on this process's default device.
 
     Args:
       model: a `Llama` or `GPT2` with Focus attention (after `retrofit`).
       batches: a list of token arrays `[B, T]`, or of batch dicts (`inputs [B, T]`, optional `positions`,
-        `segment_ids`: tokens of segment 0 are padding and left out).
+        `segment_ids`: tokens of segment 0 are padding and left out); numpy or (global) jax arrays.
       key: PRNG key of the k-means++ seeding (one per layer is split from it).
       iters: Lloyd iterations.
 
@@ -532,23 +547,25 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
         raise ValueError("kmeans_centroids needs at least one batch of tokens")
     graphdef, _ = nnx.split(model)
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def routing_inputs(state, batch, layer_index):  # that Focus layer's x W_g [B, T, d_g]
+    @jax.jit
+    def routing_inputs(state, batch, layer_index):  # Focus layer `layer_index`'s x W_g [B, T, d_g]
         recording = nnx.merge(graphdef, state)
         if getattr(recording.config, "remat", False):  # (records hold the outer trace's values only)
             recording.config = dataclasses.replace(recording.config, remat=False)
         with record_attention() as records:
             recording(batch["inputs"], positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
-        record = [r for r in records if r["config"].kind in FOCUS_KINDS][layer_index]
-        return record["x"].astype(jnp.float32) @ layers_of(recording)[layer_index].w_g[...].astype(jnp.float32)
+        focus_records = [r for r in records if r["config"].kind in FOCUS_KINDS]
+        projected = [r["x"].astype(jnp.float32) @ attn.w_g[...].astype(jnp.float32)
+                     for r, attn in zip(focus_records, layers_of(recording))]
+        return jnp.stack(projected)[layer_index]  # (a traced index: one compile for all layers)
 
     for layer_index, (attn, layer_key) in enumerate(zip(layers, jax.random.split(key, len(layers)))):
         points = []
         for batch in batches:
-            projected = routing_inputs(nnx.state(model), batch, layer_index)
+            projected = _on_host(routing_inputs(nnx.state(model), batch, layer_index))
             real = np.ones(projected.shape[:2], bool) if batch.get("segment_ids") is None else (
-                np.asarray(batch["segment_ids"]) != 0)
-            points.append(np.asarray(projected)[real])
+                _on_host(batch["segment_ids"]) != 0)
+            points.append(projected[real])
         c = attn.config
         centroids = kmeans(np.concatenate(points), c.focus_groups, key=layer_key, iters=iters,
                            spherical=c.focus_normalize)

@@ -26,7 +26,7 @@ from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
-from focal_jax.nn.retrofit import NEW_TYPES, FocusConfig, retrofit
+from focal_jax.nn.retrofit import NEW_TYPES, FocusConfig, kmeans_centroids, retrofit
 from focal_jax.nn.variables import Centroid, Temperature
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
@@ -72,6 +72,7 @@ def new_param_paths(model) -> set[str]:
     return set(param_paths(nnx.state(model, NEW_TYPES)))
 
 
+KMEANS_KEY = 1  # folded into the run's seed for the k-means++ seeding, apart from the seed's parameter draws
 BASE_STEP_GONE = ("the step of init_from that this run started from; the base run may have deleted it as it went "
                   "on, keeping keep_checkpoints steps")
 
@@ -200,12 +201,12 @@ def pinned_base_step(run: RunConfig, meta: dict | None = None) -> int | None:
     return checkpoint.read_meta(run.init_from)[0]
 
 
-def init_model(run: RunConfig, *, base_step: int | None = None, init_batches=None):
+def init_model(run: RunConfig, *, base_step: int | None = None):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
     pretrained `init_from` workdir's parameters (of its checkpoint `base_step`, default the latest), then the
     retrofits (Focal, Focus, then LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus
-    retrofit with `init='kmeans'` fits its centroids on `init_batches` (a list of batch dicts: a run's first
-    start); without them (a resume, a stored run's model) its centroids stay random, for a checkpoint to replace."""
+    retrofit with `init='kmeans'` gets random centroids here: a new run fits them once its parameters are on the
+    mesh (`fit_kmeans_centroids`); a resume or a stored run's model reads them from a checkpoint."""
     if base_step is not None:
         checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
     model = build_model(run, seed=run.seed, base_step=base_step)
@@ -214,15 +215,37 @@ def init_model(run: RunConfig, *, base_step: int | None = None, init_batches=Non
             raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
         load_pretrained(model, run.init_from, step=base_step)
     for change in run.retrofit:
-        if kmeans_init(change) and init_batches is None:
+        if kmeans_init(change):
             change = dataclasses.replace(change, init="random")
-        model = retrofit(model, change, rngs=run.seed, init_batches=init_batches if kmeans_init(change) else None)
+        model = retrofit(model, change, rngs=run.seed)
     return model
 
 
 def kmeans_init(change) -> bool:
     """Whether the retrofit `change` is Focus with k-means centroids (`FocusConfig(init='kmeans')`)."""
     return isinstance(change, FocusConfig) and change.init == "kmeans"
+
+
+def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int) -> dict:
+    """`trainable` (placed on the mesh) with each Focus layer's centroids replaced by the k-means of its routing
+    inputs on `batch` (a global batch, `shard_batch`), as `retrofit.kmeans_centroids` fits them: forward passes of
+    the sharded parameters, so that a model the run can train, k-means can fit. Each new centroid array keeps its
+    leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it under the run's mesh."""
+    model = nnx.merge(graphdef, trainable, frozen)
+    kmeans_centroids(model, [batch], key=jax.random.fold_in(jax.random.key(seed), KMEANS_KEY))
+    fitted = select_params(nnx.to_pure_dict(nnx.state(model)), trainable)
+
+    def placed(path, old, new):
+        if not path_str(path).endswith("centroids"):
+            return old
+        new = np.asarray(new, old.dtype)
+        if jax.process_count() > 1:  # (k-means on each process's own device need not agree to the last bit)
+            from jax.experimental import multihost_utils
+
+            new = np.asarray(multihost_utils.broadcast_one_to_all(new))
+        return jax.device_put(new, old.sharding)
+
+    return jax.tree_util.tree_map_with_path(placed, trainable, fitted)
 
 
 def load_model(workdir: str, *, step: int | None = None):
@@ -633,21 +656,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
 
     # ---------------------------------------------------------------- Model: scratch, pretrained, retrofit
     data_iter = train_iterator(data)
-    init_batches = None
     kmeans = any(kmeans_init(change) for change in run.retrofit)
-    if kmeans and resume_step is None:
-        start = data_iter.get_state()
-        first = next(data_iter)
-        data_iter.set_state(start)
-        if jax.process_count() > 1:  # each process fits on the whole first batch, so all fit the same centroids
-            from jax.experimental import multihost_utils
-
-            first = {name: np.asarray(rows) for name, rows in
-                     multihost_utils.process_allgather(first, tiled=True).items()}
-        init_batches = [first]
-        log(f"retrofit: k-means centroids from the first batch ({run.batch_size} x {run.data.seq_len} tokens)")
     init_from_step = pinned_base_step(run, stored)
-    model = init_model(run, base_step=init_from_step, init_batches=init_batches)
+    model = init_model(run, base_step=init_from_step)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -684,6 +695,13 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         trainable, frozen = jax.tree.map(np.asarray, trainable), jax.tree.map(np.asarray, frozen)
     trainable = jax.device_put(trainable, trainable_sharding)
     frozen = jax.device_put(frozen, frozen_sharding)
+    if kmeans and resume_step is None:  # on the run's first batch, which training then starts on
+        start = data_iter.get_state()
+        first = shard_batch(next(data_iter), mesh)
+        data_iter.set_state(start)
+        log(f"retrofit: k-means centroids from the first batch ({run.batch_size} x {run.data.seq_len} tokens)")
+        with jax.set_mesh(mesh):
+            trainable = fit_kmeans_centroids(graphdef, trainable, frozen, first, seed=run.seed)
     opt_sharding = tree_shardings(jax.eval_shape(tx.init, trainable), mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(trainable)
 
