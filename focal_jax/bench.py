@@ -1,7 +1,7 @@
 """Benchmarks: speed and memory of the attention functions, ratios side by side in one run.
 
     python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
-                                        [--skip-soft-above 8192] [--budget-s 240] [--heads 8]
+                                        [--skip-soft-above 8192] [--budget-s 240] [--heads 8] [--sinks 4 ...]
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench train --size 400M --compile-for-h200     (no device: in .venv-compile, JAX_PLATFORMS=cpu)
@@ -57,8 +57,9 @@ full training and a Focus retrofit that trains the centroids only. Median of ``-
 dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper') and the exact Focus fast path
 (``impl='decomposed'``, K = 8, w = 128, top-1 membership from ``sinkhorn(routing_scores(h))`` on structured random
 hidden states, so groups are as (im)balanced as Sinkhorn leaves them; ``max_groups=1``, and the same call without it,
-whose group-sorted arrays hold K * T entries, and with an attention sink of 4 tokens, without segment ids and with one
-segment, which gathers each query's sink keys (``focal_jax.attention.sink``), as rows of their own), plus the routing
+whose group-sorted arrays hold K * T entries, and with an attention sink of 4 tokens (``--sinks``: of each size given),
+without segment ids and with one segment, which gathers each query's sink keys (``focal_jax.attention.sink``, 16 at a
+time), as rows of their own), plus the routing
 itself (``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed
 too, as a baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
 
@@ -98,7 +99,7 @@ REFERENCE = "jax.nn.dot_product_attention (xla)"
 BLOCKWISE = "blockwise causal (decomposed, K=1)"
 SOFT = f"Focus soft (K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, gate=paper)"
 ROUTING = "routing (routing_scores + sinkhorn)"
-SINK = 4  # the attention sink of the sink row (StreamingLLM's)
+SINKS = (4,)  # the attention sinks of the sink rows (StreamingLLM's 4 tokens), `--sinks`
 HEADERS = ["T", "variant", "time (ms)", "speedup vs dense", "theoretical (1/pairs)", "achieved / theoretical",
            "peak memory (MiB)", "notes"]
 
@@ -141,17 +142,21 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
     # outside it (`focal_jax.attention.sink`); without segment ids its keys are a slice, with them (here one segment,
     # so the pairs are the same) they are gathered per query.
     one_segment = jax.numpy.zeros(g.shape[:2], jax.numpy.int32)
-    for name, segment_ids in ((f"sink {SINK}", None), (f"sink {SINK}, segment ids", one_segment)):
-        variants.append(_inputs.Variant(f"{top1.name[:-1]}, {name})", functools.partial(
-            attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed", block_size=args.block_size,
-            max_groups=1, sink=SINK, segment_ids=segment_ids), top1.extra, top1.membership))
+    sinks = {}  # variant name: its sink
+    for sink in args.sinks:
+        for name, segment_ids in ((f"sink {sink}", None), (f"sink {sink}, segment ids", one_segment)):
+            name = f"{top1.name[:-1]}, {name})"
+            sinks[name] = sink
+            variants.append(_inputs.Variant(name, functools.partial(
+                attention.focus_sparse_attention, window=_inputs.WINDOW, impl="decomposed",
+                block_size=args.block_size, max_groups=1, sink=sink, segment_ids=segment_ids),
+                top1.extra, top1.membership))
     entries = []
     for variant in variants:
         entry = Entry(variant.name, variant.fn, (x.q, x.k, x.v, *variant.extra), membership=variant.membership)
         if variant.membership is not None:
             allowed, causal = _inputs.count_focus_pairs(variant.membership, _inputs.WINDOW)
-            if "sink" in variant.name:  # at most SINK more per query: an upper bound
-                allowed += SINK * seq_len
+            allowed += sinks.get(variant.name, 0) * seq_len  # at most `sink` more per query: an upper bound
             entry.pair_fraction = allowed / causal
             entry.note = f"pair fraction {entry.pair_fraction:.3f}, group sizes {_group_sizes(variant.membership)}"
         entries.append(entry)
@@ -937,6 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--skip-soft-above", type=int, default=8192,
                       help="run Focus soft (dense O(T^2) with the gate) only for T <= this")
     attn.add_argument("--heads", type=_positive_int, default=8, help="attention heads (head_dim 64)")
+    attn.add_argument("--sinks", type=_positive_int, nargs="+", default=list(SINKS),
+                      help="attention sinks of the top-1 sink rows (each without and with segment ids)")
     attn.add_argument("--seed", type=int, default=0)
     attn.set_defaults(run=run_attention)
     train = sub.add_parser("train", help="tokens/s of the train step: quickstart model per attention kind, GPT-2 124M")

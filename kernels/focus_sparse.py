@@ -60,7 +60,7 @@ from jax.experimental.pallas import triton as plt
 from focal_jax._axes import shape_like, vary_like, varying_axes
 from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import _entry_slots, _groups_below, _routing
-from focal_jax.attention.sink import check_fast_sink, with_sink
+from focal_jax.attention.sink import with_sink
 from focal_jax.kernels.partition import per_shard
 
 NEG_INF = -1e30  # finite "minus infinity" for masked logits (keeps exp / max free of NaN in fully masked rows)
@@ -1147,9 +1147,9 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     queries reads `b + window` keys; 128 on TPU). `backend`: one of `BACKENDS`; default `default_backend()`.
     `max_groups`: at most this many groups per token (set A then has `max_groups * T` entry rows instead of
     `K * T`); None: K. `num_warps`, `num_stages`: the Triton launch (default `triton_launch(q.dtype)`).
-    `sink`: the first `sink` tokens of each segment are visible to every later query of it (at most 64 after
-    clamping to T); the pairs this adds outside the window and the groups are computed and merged outside the
-    kernels, by `focal_jax.attention.sink.with_sink`.
+    `sink`: the first `sink` tokens of each segment are visible to every later query of it; the pairs this adds
+    outside the window and the groups are computed and merged outside the kernels, by
+    `focal_jax.attention.sink.with_sink`.
 
     Multi-device: under a mesh (`mesh`, or by default the one of a `jax.set_mesh(mesh)` context), the kernels run
     per shard through `shard_map`, the batch split over the mesh's 'data' / 'fsdp' axes and the heads over
@@ -1169,7 +1169,6 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     _validate.check_softcap(softcap)
     _validate.check_finite("multiplier", multiplier)
     _validate.check_max_groups(membership, max_groups)
-    check_fast_sink(sink, q.shape[1], "pallas")
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")

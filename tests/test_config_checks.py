@@ -193,18 +193,6 @@ def test_a_bad_focus_sink_is_named_wherever_it_is_set(sink):
         FocusConfig(groups=4, dim=8, window=4, sink=sink)
 
 
-@pytest.mark.parametrize("impl", ["decomposed", "pallas"])
-def test_a_focus_sink_over_64_is_refused_for_the_fast_paths_at_construction(impl):
-    """'decomposed' and 'pallas' gather each query's sink keys and take at most 64 of them: a larger focus_sink is
-    refused when the layer's config is built (not at the first call), naming impl='xla', which takes any."""
-    layer = dict(d_model=8, n_heads=2, n_kv_heads=2, head_dim=4, kind="focus", focus_topk=1)
-    refused = rf"^impl='{impl}' takes focus_sink <= 64 .*got focus_sink=65; use impl='xla'$"
-    with pytest.raises(ValueError, match=refused):
-        AttentionConfig(**layer, impl=impl, focus_sink=65)
-    assert AttentionConfig(**layer, impl=impl, focus_sink=64).focus_sink == 64
-    assert AttentionConfig(**layer, impl="xla", focus_sink=65).focus_sink == 65
-
-
 def test_focus_sink_is_set_by_each_config_section_and_refused_on_kinds_that_do_not_read_it():
     """`model.attn.focus_sink` (LLaMA), `model.focus_sink` (GPT-2) and `retrofit.focus.sink` reach the attention
     config; on a non-Focus kind the setting would change nothing and training refuses it; a stored run without the

@@ -64,6 +64,7 @@ CASES = {  # name: (t, groups, k, window, sink, segmented, heads, kv_heads, head
     "window 0, sink 3, softcap": (45, 3, 1, 0, 3, True, 2, 2, 16, 20.0, 16, 8),
     "window >= T (int32's largest), head_dim 128": (40, 4, 1, 2 ** 31 - 1, 0, False, 2, 2, 128, None, 16, 16),
     "k = K": (33, 3, 3, 2, 0, False, 2, 1, 16, None, 16, 8),
+    "sink 100 of each document, in steps": (150, 3, 1, 4, 100, True, 2, 2, 16, None, 16, 8),
 }
 
 

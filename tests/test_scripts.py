@@ -21,13 +21,16 @@ def test_demo_writes_table_and_png(tmp_path, capsys):
 
 
 def test_bench_prints_every_variant(capsys):
-    assert bench.main(["attention", "--lengths", "256", "--repeats", "1", "--heads", "2"]) == 0
+    """The attention benchmark's rows, with a sink row pair for each of `--sinks` (70: in steps of 16)."""
+    assert bench.main(["attention", "--lengths", "256", "--repeats", "1", "--heads", "2", "--sinks", "4", "70"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
     names = [row.split("|")[2].strip() for row in rows]
     assert names == ["dense", bench.REFERENCE, bench.BLOCKWISE, "focal (t=0.4)", bench.SOFT,
                      "Focus hard k=1 (decomposed)", "Focus hard k=1 (decomposed, K * T entries)",
-                     f"Focus hard k=1 (decomposed, sink {bench.SINK})",
-                     f"Focus hard k=1 (decomposed, sink {bench.SINK}, segment ids)", bench.ROUTING]
+                     "Focus hard k=1 (decomposed, sink 4)", "Focus hard k=1 (decomposed, sink 4, segment ids)",
+                     "Focus hard k=1 (decomposed, sink 70)", "Focus hard k=1 (decomposed, sink 70, segment ids)",
+                     bench.ROUTING]
+    assert bench.SINKS == (4,)
     assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
 
 

@@ -373,8 +373,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       multiplier: scale / temperature: a number, applied to the float32 logits, or an array, scalar or
         `[B, T, H]` (it may be traced: a learned temperature), which scales q in q's dtype before the products.
       window: int >= 0. segment_ids: int `[B, T]` or None. sink: the first `sink` tokens of each segment are
-        visible to every later query of it (`focal_jax.attention.sink`; at most `MAX_FAST_SINK` after clamping
-        to T).
+        visible to every later query of it (`focal_jax.attention.sink`).
       softcap: None or the logit cap (`softcap * tanh(logits / softcap)`).
       block_size: tile size.
       max_groups: at most this many groups per token (entry arrays of `max_groups * T` rows); None: K.

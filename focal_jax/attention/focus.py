@@ -15,7 +15,7 @@ from focal_jax.attention import _validate
 from focal_jax.attention.decomposed import decomposed_attention
 from focal_jax.attention.focal import attend, attention_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
-from focal_jax.attention.sink import check_fast_sink, sink_key_mask
+from focal_jax.attention.sink import sink_key_mask
 
 GATES = ("paper", "log")
 IMPLS = ("reference", "decomposed", "pallas")
@@ -200,8 +200,8 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
       sink: the first `sink` tokens of each segment are visible to every later query of it (see `focus_mask`);
         default 0 (off). `'decomposed'` and `'pallas'` add the sink's pairs outside the window and the groups (at
-        most `sink` per query) in plain XLA and merge them by log-sum-exp (`focal_jax.attention.sink`), so they
-        take `min(sink, T) <= 64`.
+        most `sink` per query, gathered 16 keys at a time) in plain XLA and merge them by log-sum-exp
+        (`focal_jax.attention.sink`).
       softcap: None, or `softcap * tanh(logits / softcap)` on the scaled logits.
       impl: `'reference'` (dense masked, O(T^2) memory), `'decomposed'` (the exact blockwise fast path:
         same-group causal pairs on group-sorted tokens plus cross-group local pairs, merged by log-sum-exp;
@@ -229,8 +229,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
 
     Raises:
       ValueError naming the argument: q, k, v or membership not an array (a list: convert it with `jnp.asarray`)
-      or of mismatched shapes, a floating-point membership, a sink over 64 for `'decomposed'` or `'pallas'`, and
-      the checks of `focal_attention`.
+      or of mismatched shapes, a floating-point membership, and the checks of `focal_attention`.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -244,8 +243,6 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     b, t = _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
     _validate.check_membership_dtype(membership)
     _validate.check_choice("impl", impl, IMPLS)
-    if impl != "reference":
-        check_fast_sink(sink, t, impl)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))
                                    or block_size < 1):
         raise ValueError(f"block_size must be an integer >= 1, got block_size={block_size!r}"

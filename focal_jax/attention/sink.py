@@ -9,23 +9,20 @@ cross-group local pairs (set B) in their own blocks; the pairs only the sink add
 query's segment, outside its window, sharing no group with it), number at most `sink` per query. `with_sink`
 gathers them, computes them in plain XLA and merges them with the fast path's output by log-sum-exp; autodiff
 carries the gradient through the merge into the fast path's own backward pass (which takes the log-sum-exp's
-cotangent). Memory O(B * T * sink * (Hk * D + H)), hence `MAX_FAST_SINK`.
+cotangent). A sink of up to `SINK_CHUNK` keys takes one step, memory O(B * T * sink * (Hk * D + H)); a longer one
+takes steps of `SINK_CHUNK` keys (a `lax.scan`, each step recomputed in the backward pass), so that its memory stays
+that of one step.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from focal_jax.attention.segments import segment_prefix, segment_runs
 
-MAX_FAST_SINK = 64  # the largest sink (after clamping to T) of the fast paths; 'reference' takes any
+SINK_CHUNK = 16  # the sink keys per query that one step of `sink_set` gathers; a longer sink takes several steps
 NEG_INF = -1e30  # finite "minus infinity": a query without set-C pairs keeps finite (zero-weight) values
-
-
-def check_fast_sink(sink, t, impl):
-    """Raises ValueError unless `min(sink, t) <= MAX_FAST_SINK`, the largest sink `impl` (a fast path) takes."""
-    if min(sink, t) > MAX_FAST_SINK:
-        raise ValueError(f"impl={impl!r} takes sink <= {MAX_FAST_SINK} (it gathers each query's sink keys), got "
-                         f"sink={sink} for T={t}; use impl='reference'")
 
 
 def _first_of_segment(segment_ids):
@@ -46,29 +43,71 @@ def sink_key_mask(segment_ids, sink, b, t):
     return place(jnp.asarray(segment_ids)) <= sink
 
 
-def sink_keys(segment_ids, sink, b, t):
-    """The sink keys of each query's segment: positions int `[B, T, S]` (S = min(sink, T)) and bool `[B, T, S]`
-    whether each exists (a segment of fewer than S tokens has fewer)."""
-    s = min(sink, t)
+def sink_keys(segment_ids, offsets, sink, b, t, segment_order=None):
+    """The sink keys at places `offsets` (int `[n]`, 0 for a segment's first token) among the first `sink` tokens of
+    each query's segment (of the row without segment ids): positions int `[B, T, n]` and bool `[B, T, n]` whether
+    each exists (offset < min(sink, T), and a segment of fewer tokens has fewer; a missing key's position is a
+    valid index, but meaningless). `segment_order`: `_first_of_segment` of each row (`[B, T]` twice), if at hand."""
+    offsets = jnp.asarray(offsets, jnp.int32)
+    n = offsets.shape[0]
     if segment_ids is None:
-        return (jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, t, s)), jnp.ones((b, t, s), bool))
+        return (jnp.broadcast_to(jnp.minimum(offsets, t - 1), (b, t, n)),
+                jnp.broadcast_to(offsets < min(sink, t), (b, t, n)))
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_order is None:
+        segment_order = jax.vmap(_first_of_segment)(segment_ids)
 
-    def one_row(ids):
-        order, first = _first_of_segment(ids)
-        index = first[:, None] + jnp.arange(s, dtype=jnp.int32)
+    def one_row(ids, order, first):
+        index = first[:, None] + offsets
         key = order[jnp.minimum(index, t - 1)].astype(jnp.int32)
-        return key, (index < t) & (ids[key] == ids[:, None])
+        return key, (index < t) & (offsets < sink) & (ids[key] == ids[:, None])
 
-    return jax.vmap(one_row)(jnp.asarray(segment_ids))
+    return jax.vmap(one_row)(segment_ids, *segment_order)
 
 
-def _rows_at_sink_keys(x, key, segment_ids):
-    """The rows of `x [B, T, ...]` at each query's sink keys `key [B, T, S]`: `[B, T, S, ...]`, or without segment
-    ids, where every query's keys are positions `0 .. S - 1`, the slice `[B, 1, S, ...]` that einsum broadcasts
-    over the queries (a gather of S rows per query is 5x slower on a CPU at T = 4096, forward and backward)."""
+def _rows_at_sink_keys(x, key, start, segment_ids):
+    """The rows of `x [B, T, ...]` at each query's sink keys `key [B, T, n]`: `[B, T, n, ...]`, or without segment
+    ids, where every query's keys are positions `start .. start + n - 1`, the slice `[B, 1, n, ...]` that einsum
+    broadcasts over the queries (a gather of n rows per query is 5x slower on a CPU at T = 4096, forward and
+    backward)."""
     if segment_ids is None:
-        return x[:, None, :key.shape[-1]]
+        return jax.lax.dynamic_slice_in_dim(x, start, key.shape[-1], axis=1)[:, None]
     return jax.vmap(lambda x, key: x[key])(x, key)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two attentions over disjoint key sets (outputs `[B, T, H, Dv]`, log-sum-exps `[B, T, H]` float32) as the
+    one over their union: (out float32, lse)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    out = (jnp.exp(lse_a - lse)[..., None] * out_a.astype(jnp.float32)
+           + jnp.exp(lse_b - lse)[..., None] * out_b.astype(jnp.float32))
+    return out, lse
+
+
+def _sink_step(q, k, v, membership, start, first, n, *, multiplier, window, segment_ids, segment_order, sink,
+               softcap):
+    """Set C's attention (`sink_set`) over the sink keys at places `start .. start + n - 1` of each segment, those
+    before place `first` left out (an earlier step's): (out `[B, T, H, Dv]` float32, lse `[B, T, H]` float32)."""
+    b, t, h, d = q.shape
+    hk = k.shape[2]
+    offsets = start + jnp.arange(n, dtype=jnp.int32)
+    key, exists = sink_keys(segment_ids, offsets, sink, b, t, segment_order)
+    rows = lambda x: _rows_at_sink_keys(x, key, start, segment_ids)
+    query = jnp.arange(t, dtype=jnp.int32)[None, :, None]
+    shares = jnp.any(membership[:, :, None, :] & rows(membership), axis=-1)
+    allowed = exists & (offsets >= first) & (key <= query) & (query - key > window) & ~shares  # [B, T, n]
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    grouped_q = q.astype(dtype).reshape(b, t, hk, h // hk, d)
+    scores = jnp.einsum("btkgd,btskd->btkgs", grouped_q, rows(k.astype(dtype)),
+                        preferred_element_type=jnp.float32).reshape(b, t, h, -1)
+    scores = scores * jnp.broadcast_to(jnp.asarray(multiplier, jnp.float32), (b, t, h))[..., None]
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(allowed[:, :, None, :], scores, NEG_INF)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    weights = jnp.exp(scores - lse[..., None]).reshape(b, t, hk, h // hk, -1)
+    out = jnp.einsum("btkgs,btskd->btkgd", weights, rows(v).astype(jnp.float32))
+    return out.reshape(b, t, h, -1), lse
 
 
 def sink_set(q, k, v, membership, *, multiplier, window, segment_ids, sink, softcap):
@@ -78,25 +117,28 @@ def sink_set(q, k, v, membership, *, multiplier, window, segment_ids, sink, soft
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier a number or an
     array broadcastable to `[B, T, H]` -> (out `[B, T, H, Dv]` float32, lse `[B, T, H]` float32; about -1e30 for a
     query without such pairs, whose `out` is then meaningless and merged with weight 0).
+
+    The sink keys are gathered `SINK_CHUNK` at a time: a longer sink (after clamping to T) is a `lax.scan` of
+    rematerialised steps merged by log-sum-exp.
     """
-    b, t, h, d = q.shape
-    hk = k.shape[2]
-    key, exists = sink_keys(segment_ids, sink, b, t)
-    query = jnp.arange(t, dtype=jnp.int32)[None, :, None]
-    shares = jnp.any(membership[:, :, None, :] & _rows_at_sink_keys(membership, key, segment_ids), axis=-1)
-    allowed = exists & (key <= query) & (query - key > window) & ~shares  # [B, T, S]
-    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-    grouped_q = q.astype(dtype).reshape(b, t, hk, h // hk, d)
-    scores = jnp.einsum("btkgd,btskd->btkgs", grouped_q, _rows_at_sink_keys(k.astype(dtype), key, segment_ids),
-                        preferred_element_type=jnp.float32).reshape(b, t, h, -1)
-    scores = scores * jnp.broadcast_to(jnp.asarray(multiplier, jnp.float32), (b, t, h))[..., None]
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(allowed[:, :, None, :], scores, NEG_INF)
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    weights = jnp.exp(scores - lse[..., None]).reshape(b, t, hk, h // hk, -1)
-    out = jnp.einsum("btkgs,btskd->btkgd", weights, _rows_at_sink_keys(v, key, segment_ids).astype(jnp.float32))
-    return out.reshape(b, t, h, -1), lse
+    s = min(sink, q.shape[1])
+    segment_order = None if segment_ids is None else jax.vmap(_first_of_segment)(jnp.asarray(segment_ids))
+    step = functools.partial(_sink_step, q, k, v, membership, multiplier=multiplier, window=window,
+                             segment_ids=segment_ids, segment_order=segment_order, sink=sink, softcap=softcap)
+    if s <= SINK_CHUNK:
+        return step(0, 0, s)
+
+    @jax.checkpoint
+    def chunk(first):  # the last chunk starts early, so as to stay inside the sink; it leaves out what it repeats
+        return step(jnp.minimum(first, s - SINK_CHUNK), first, SINK_CHUNK)
+
+    def merged(carry, first):
+        return _merge(*carry, *chunk(first)), None
+
+    b, t, h, _ = q.shape
+    empty = (jnp.zeros((b, t, h, v.shape[-1]), jnp.float32), jnp.full((b, t, h), NEG_INF, jnp.float32))
+    (out, lse), _ = jax.lax.scan(merged, empty, jnp.arange(0, s, SINK_CHUNK, dtype=jnp.int32))
+    return out, lse
 
 
 def with_sink(out, lse, q, k, v, membership, *, multiplier, window, segment_ids, sink, softcap):
@@ -104,7 +146,4 @@ def with_sink(out, lse, q, k, v, membership, *, multiplier, window, segment_ids,
     merged with set C's (`sink_set`, same arguments) -> `[B, T, H, Dv]` in out's dtype."""
     out_c, lse_c = sink_set(q, k, v, membership, multiplier=multiplier, window=window, segment_ids=segment_ids,
                             sink=sink, softcap=softcap)
-    total = jnp.logaddexp(lse, lse_c)
-    merged = (jnp.exp(lse - total)[..., None] * out.astype(jnp.float32)
-              + jnp.exp(lse_c - total)[..., None] * out_c)
-    return merged.astype(out.dtype)
+    return _merge(out, lse, out_c, lse_c)[0].astype(out.dtype)

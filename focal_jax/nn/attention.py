@@ -18,7 +18,6 @@ from focal_jax._validation import plain_numbers
 from focal_jax.attention import _validate
 from focal_jax.attention.focal import TAU_MODES, attend, attention_logits, clip_tau, tau_logits
 from focal_jax.attention.masks import causal_mask, group_mask, local_mask, segment_mask
-from focal_jax.attention.sink import MAX_FAST_SINK
 from focal_jax.kernels import focus_sparse
 from focal_jax.kernels.focus_sparse import dot_product_pallas
 from focal_jax.nn.layers import RMSNorm, dynamic_ntk_theta, rope
@@ -224,9 +223,6 @@ class AttentionConfig:
                 raise ValueError(f"kind={self.kind!r} is a registered function, which {name}={getattr(self, name)!r} "
                                  f"would not reach: it gets q, k, v and segment_ids only")
         _choice("impl", self.impl, IMPLS)
-        if self.impl in ("decomposed", "pallas") and self.focus_sink > MAX_FAST_SINK:
-            raise ValueError(f"impl={self.impl!r} takes focus_sink <= {MAX_FAST_SINK} (it gathers each query's sink "
-                             f"keys), got focus_sink={self.focus_sink}; use impl='xla'")
         _choice("focus_gate", self.focus_gate, GATES)
         _choice("focus_assign", self.focus_assign, ASSIGNMENTS)
         _choice("tau_mode", self.tau_mode, TAU_MODES)
