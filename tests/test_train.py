@@ -954,9 +954,10 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
 @pytest.mark.parametrize("start", ["focal_jax run", "Hugging Face directory"])
 def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, start):
     """`retrofit.focus.init='kmeans'` in 2 processes: the sharded forward reads the first batch of both and each
-    process's k-means sees all of its routing inputs, so the run equals the one-process run (centroids at step 0,
-    losses). From a focal_jax run (`init_from=`: its config is read before the processes connect) and from a
-    Hugging Face directory (`hf=`: a dense base run written by `to_hf`, with its tokenizer.model)."""
+    process's k-means sees all of its routing inputs (8 x 64 points a layer, as process 0 reports), so the run
+    equals the one-process run (centroids at step 0, losses). From a focal_jax run (`init_from=`, whose stored
+    config the experiment reads) and from a Hugging Face directory (`hf=`: a dense base run written by `to_hf`,
+    with its tokenizer.model)."""
     base = str(tmp_path / "base")
     if start == "focal_jax run":
         train(tiny(cache_dir, total_steps=2), base)
@@ -984,6 +985,8 @@ def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, star
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "in 2 process(es)" in outputs[0] and "k-means centroids from the first batch" in outputs[0]
+    assert re.search(r"k-means centroids of Focus layer 1 of \d+: 512 points, mean cosine", outputs[0])
+    assert "k-means centroids of Focus layer" not in outputs[1]  # (process 0 logs)
     np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
     for a, b in zip(load_model(one).layers, load_model(two).layers):
         np.testing.assert_allclose(a.self_attn.centroids[...], b.self_attn.centroids[...], atol=1e-5)
@@ -1151,7 +1154,8 @@ def test_a_kmeans_retrofit_fits_on_the_parameters_placed_on_the_mesh(tmp_path, c
         config = load_experiment("focus_retrofit", f"runlocal,init_from={base},init=kmeans")
         config.update(batch_size=8, total_steps=0, eval_batches=0, mesh=mesh)
         train(config, str(tmp_path / name))
-        started[name] = [np.asarray(layer.self_attn.centroids[...]) for layer in load_model(str(tmp_path / name)).layers]
+        model = load_model(str(tmp_path / name))
+        started[name] = [np.asarray(layer.self_attn.centroids[...]) for layer in model.layers]
         if name == "split":
             assert seen["q_proj"].spec == P("fsdp", "tensor") and len(seen["q_proj"].device_set) == 8
             assert seen["inputs"].spec[0] == ("data", "fsdp")

@@ -240,7 +240,7 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
       >>> bool(jnp.abs(a - b).max() < 1e-5)
       True
     """
-    b, t = _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
+    _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
     _validate.check_membership_dtype(membership)
     _validate.check_choice("impl", impl, IMPLS)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer))

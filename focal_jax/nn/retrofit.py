@@ -472,14 +472,7 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
         raise ValueError(f"k-means of {k} centroids needs points [N >= {k}, d], got shape {points.shape}")
     if spherical:
         points = _unit_rows(points)
-
-    squared_norms = jnp.sum(points**2, axis=-1, keepdims=True)
-
-    def distances(centroids):  # [N, k], without an [N, k, d] difference
-        if spherical:
-            return 1.0 - points @ centroids.T
-        return jnp.maximum(squared_norms - 2.0 * points @ centroids.T + jnp.sum(centroids**2, axis=-1), 0.0)
-
+    distances = functools.partial(_distances, points, spherical=spherical)
     keys = jax.random.split(key, k)
     centroids = jnp.zeros((k, points.shape[1]), jnp.float32).at[0].set(
         points[jax.random.randint(keys[0], (), 0, points.shape[0])])
@@ -500,6 +493,27 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
     return jax.lax.fori_loop(0, iters, lloyd, centroids)
 
 
+def _distances(points, centroids, *, spherical: bool):
+    """`[N, k]`: `1 - cos` between unit rows (`spherical`), else the squared Euclidean distance (without an
+    `[N, k, d]` difference)."""
+    if spherical:
+        return 1.0 - points @ centroids.T
+    return jnp.maximum(jnp.sum(points**2, axis=-1, keepdims=True) - 2.0 * points @ centroids.T
+                       + jnp.sum(centroids**2, axis=-1), 0.0)
+
+
+def _fit_summary(points, centroids, *, spherical: bool) -> str:
+    """How well `centroids [k, d]` fit `points [N, d]`, in words: the mean cosine (`spherical`) or squared distance
+    to the nearest centroid, and the largest cluster's share of the points."""
+    points = jnp.asarray(points, jnp.float32)
+    distances = _distances(_unit_rows(points) if spherical else points, centroids, spherical=spherical)
+    nearest = np.bincount(np.asarray(jnp.argmin(distances, axis=-1)), minlength=centroids.shape[0])
+    closest = float(jnp.mean(jnp.min(distances, axis=-1)))
+    fit = (f"mean cosine to the nearest centroid {1.0 - closest:.3f}" if spherical
+           else f"mean squared distance to the nearest centroid {closest:.4g}")
+    return f"{points.shape[0]:,} points, {fit}, largest cluster {nearest.max() / points.shape[0]:.0%} of them"
+
+
 def _on_host(x) -> np.ndarray:
     """A numpy copy of the whole of `x`, also of a jax array spread over several processes' devices."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -513,7 +527,7 @@ def _unit_rows(x):
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
+def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress=None):
     """FOCUS_SPEC OQ-6's optional initialisation (as the Routing Transformer's): set each Focus layer's centroids to
     the k-means of its routing inputs projected by its `w_g`, `x W_g` at the real tokens of `batches`, in place.
 
@@ -531,6 +545,8 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
         `segment_ids`: tokens of segment 0 are padding and left out); numpy or (global) jax arrays.
       key: PRNG key of the k-means++ seeding (one per layer is split from it).
       iters: Lloyd iterations.
+      progress: None, or a function called with one line per layer once its centroids are fitted (how many
+        points, how well the centroids fit them, the largest cluster's share), e.g. `print`.
 
     Returns:
       `model`.
@@ -566,10 +582,12 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS):
             real = np.ones(projected.shape[:2], bool) if batch.get("segment_ids") is None else (
                 _on_host(batch["segment_ids"]) != 0)
             points.append(projected[real])
-        c = attn.config
-        centroids = kmeans(np.concatenate(points), c.focus_groups, key=layer_key, iters=iters,
-                           spherical=c.focus_normalize)
+        c, points = attn.config, np.concatenate(points)
+        centroids = kmeans(points, c.focus_groups, key=layer_key, iters=iters, spherical=c.focus_normalize)
         attn.centroids[...] = centroids.astype(attn.centroids[...].dtype)
+        if progress is not None:
+            progress(f"k-means centroids of Focus layer {layer_index + 1} of {len(layers)}: "
+                     f"{_fit_summary(points, centroids, spherical=c.focus_normalize)}")
     return model
 
 

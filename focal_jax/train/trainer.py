@@ -229,10 +229,11 @@ def kmeans_init(change) -> bool:
 def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int) -> dict:
     """`trainable` (placed on the mesh) with each Focus layer's centroids replaced by the k-means of its routing
     inputs on `batch` (a global batch, `shard_batch`), as `retrofit.kmeans_centroids` fits them: forward passes of
-    the sharded parameters, so that a model the run can train, k-means can fit. Each new centroid array keeps its
-    leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it under the run's mesh."""
+    the sharded parameters in their own dtype (`param_dtype`), so k-means fits any model the run can train. Each new
+    centroid array keeps its leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it
+    under the run's mesh."""
     model = nnx.merge(graphdef, trainable, frozen)
-    kmeans_centroids(model, [batch], key=jax.random.fold_in(jax.random.key(seed), KMEANS_KEY))
+    kmeans_centroids(model, [batch], key=jax.random.fold_in(jax.random.key(seed), KMEANS_KEY), progress=log)
     fitted = select_params(nnx.to_pure_dict(nnx.state(model)), trainable)
 
     def placed(path, old, new):
