@@ -486,11 +486,13 @@ def test_a_kmeans_retrofit_fits_each_layers_centroids_to_its_routing_inputs(fami
         np.testing.assert_array_equal(a.centroids[...], b.centroids[...])
 
 
-def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit(monkeypatch):
+@pytest.mark.parametrize("normalize", [True, False])
+def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit(monkeypatch, normalize):
     """`kmeans_centroids` records each Focus layer's inputs with one compiled forward (the layer index is traced):
     a 3-layer model over 2 batches traces the forward once, not once per layer (a compile each: minutes at 7B).
-    `progress` gets a line per layer: its points, their mean cosine to the nearest centroid and the largest
-    cluster's share, as recomputed here from the fitted model's routing inputs."""
+    `progress` gets a line per layer: its points, their mean cosine (cosine routing) or squared distance (raw dot
+    products) to the nearest centroid and the largest cluster's share, as recomputed here from the fitted model's
+    routing inputs."""
     import contextlib
 
     from focal_jax.nn import retrofit as retrofit_module
@@ -504,7 +506,7 @@ def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit
             yield records
 
     model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=3, n_heads=4), rngs=nnx.Rngs(0))
-    model = retrofit(model, FocusConfig(groups=2, dim=8, window=2))
+    model = retrofit(model, FocusConfig(groups=2, dim=8, window=2, normalize=normalize))
     batches = [_tokens(12, seed=s) % 50 for s in (1, 2)]
     monkeypatch.setattr(retrofit_module, "record_attention", counted)
     lines = []
@@ -514,11 +516,18 @@ def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit
     assert len(lines) == 3
     inputs = [np.concatenate(layer) for layer in zip(*(_projected_inputs(model, tokens) for tokens in batches))]
     for i, (line, points, attn) in enumerate(zip(lines, inputs, _attention(model))):
-        units = points / np.linalg.norm(points, axis=-1, keepdims=True)
-        cosines = units @ np.asarray(attn.centroids[...]).T
-        largest = np.bincount(cosines.argmax(-1), minlength=2).max() / len(points)
-        assert line == (f"k-means centroids of Focus layer {i + 1} of 3: 48 points, mean cosine to the nearest "
-                        f"centroid {cosines.max(-1).mean():.3f}, largest cluster {largest:.0%} of them")
+        centroids = np.asarray(attn.centroids[...], np.float64)
+        points = points.astype(np.float64)
+        if normalize:
+            closeness = (points / np.linalg.norm(points, axis=-1, keepdims=True)) @ centroids.T
+            nearest, fit = closeness.argmax(-1), f"mean cosine to the nearest centroid {closeness.max(-1).mean():.3f}"
+        else:
+            distances = ((points[:, None] - centroids[None]) ** 2).sum(-1)
+            nearest = distances.argmin(-1)
+            fit = f"mean squared distance to the nearest centroid {distances.min(-1).mean():.4g}"
+        largest = np.bincount(nearest, minlength=2).max() / len(points)
+        assert line == (f"k-means centroids of Focus layer {i + 1} of 3: 48 points, {fit}, largest cluster "
+                        f"{largest:.0%} of them")
 
 
 def test_kmeans_init_is_asked_for_by_name():
