@@ -407,7 +407,7 @@ def test_a_sink_of_each_document_in_hand_checked_rows():
                                   want)
 
 
-def test_a_sink_over_64_keys_runs_64_at_a_time():
+def test_a_long_sink_runs_in_steps_of_16_keys():
     """A sink longer than `SINK_CHUNK` (16) keys per query is gathered 16 keys at a time (`lax.scan` of
     rematerialised steps): no intermediate of the decomposed path, forward or backward, holds more than 16 sink keys
     per query (sink 150 at T = 200: below B * T * 17 * Hk * D elements), and a larger sink on a shorter row is
