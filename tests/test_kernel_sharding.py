@@ -294,7 +294,8 @@ def test_attention_functions_under_an_explicit_mesh():
     function gives the unsharded call's values, sharded as its inputs (`jnp.repeat` of the kv heads, `jnp.unique`
     and `vmap` of the segment reductions and the decomposed path's `lax.map` over the batch raised before), and
     the attention functions their gradients, sharded as q, k, v. The Focus functions with a sink of 2 (each
-    document's; the fast paths' set C gathered in XLA)."""
+    document's; the fast paths' set C gathered in XLA), `focus_sparse_attention` with one of 20 (set C in two steps
+    of 16, a `lax.scan`)."""
     mesh = jax.make_mesh((2, 1, 2), AXES, axis_types=(AxisType.Explicit,) * 3, devices=jax.devices()[:4])
     b, t = 4, 24
     q, k, v = rand_qkv(13, b, t, 4, 2, 8)
@@ -302,7 +303,7 @@ def test_attention_functions_under_an_explicit_mesh():
     x, w_tau = jax.random.normal(jax.random.key(15), (b, t, 16)), jax.random.normal(jax.random.key(16), (16,))
     args = (q, k, v, scores, topk_membership(scores, 1), jnp.zeros((b, t), jnp.int32).at[:, 13:].set(1), x)
     sparse = lambda impl: lambda q, k, v, s, m, seg, x: focus_sparse_attention(
-        q, k, v, m, window=3, impl=impl, block_size=8, segment_ids=seg, temperature=0.7, sink=2)
+        q, k, v, m, window=3, impl=impl, block_size=8, segment_ids=seg, temperature=0.7, sink=20)
     attention = {
         "dot_product_attention": lambda q, k, v, s, m, seg, x: fa.dot_product_attention(q, k, v, window=5,
                                                                                           segment_ids=seg),
