@@ -531,13 +531,21 @@ def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit
 
 
 def test_kmeans_init_is_asked_for_by_name():
-    """`init='kmeans'` needs `init_batches`, and `init_batches` need it; an unknown init is named."""
+    """`init='kmeans'` needs `init_batches`, and `init_batches` and `progress` need it (which then reports the
+    fit of the model's one layer); an unknown init is named."""
     model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=1, n_heads=4), rngs=nnx.Rngs(0))
     tokens = np.zeros((1, 8), np.int32)
     with pytest.raises(ValueError, match=r"FocusConfig\(init='kmeans'\) fits .*: pass init_batches=\[\.\.\.\]"):
         retrofit(model, FocusConfig(groups=2, dim=8, window=2, init="kmeans"))
     with pytest.raises(ValueError, match=r"init_batches are for FocusConfig\(init='kmeans'\), got FocalConfig"):
         retrofit(model, FocalConfig(t=0.5), init_batches=[tokens])
+    with pytest.raises(ValueError, match=r"progress reports the k-means fit of FocusConfig\(init='kmeans'\), got "
+                                         r"FocusConfig\(.*init='random'"):
+        retrofit(model, FocusConfig(groups=2, dim=8, window=2), progress=print)
+    lines = []
+    retrofit(model, FocusConfig(groups=2, dim=8, window=2, init="kmeans"), init_batches=[tokens + np.arange(8)],
+             progress=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("k-means centroids of Focus layer 1 of 1: 8 points, ")
     with pytest.raises(ValueError, match=r"FocusConfig: init='means' is not one of \('random', 'kmeans'\)"):
         FocusConfig(groups=2, dim=8, window=2, init="means")
     assert "focus_init" not in FocusConfig(groups=2, dim=8, window=2, init="kmeans").attention_fields()

@@ -352,7 +352,7 @@ def _retrofit_window(model, config: WindowConfig, impl: str | None):
 
 
 def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | None = None, dtype=None,
-             init_batches=None):
+             init_batches=None, progress=None):
     """Put Focus or Focal attention into `model` (a `Llama` or `GPT2`) in place and return it.
 
     Args:
@@ -368,7 +368,7 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
         that the trained routing parameters keep full precision).
       init_batches: with `FocusConfig(init='kmeans')`, the sample the centroids are fitted on: a list of token
         arrays `[B, T]` or of batch dicts (`inputs`, optional `positions`, `segment_ids`; segment id 0 is padding),
-        as `kmeans_centroids` takes. Only then.
+        as `kmeans_centroids` takes. Only then. `progress` (e.g. `print`) then gets a line per layer fitted.
 
     Returns:
       `model`, whose `Attention` modules have the new kind and config (`Centroid` / `Temperature` parameters added,
@@ -379,7 +379,7 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
         a change that would drop parameters (constant Focal onto learned Focal), a Focus retrofit onto a model
         with a sliding window (Mistral's `window`) or with different `groups` / `dim` than the Focus it already
         has, a `WindowConfig` on a Focus model (naming both windows), any invalid resulting `AttentionConfig`
-        field (named), `init='kmeans'` without `init_batches` or `init_batches` without it.
+        field (named), `init='kmeans'` without `init_batches`, or `init_batches` or `progress` without it.
     """
     if not isinstance(config, (FocusConfig, FocalConfig, LoRAConfig, WindowConfig)):
         raise ValueError(f"config must be a FocusConfig or FocalConfig (or a LoRAConfig or WindowConfig), got "
@@ -391,6 +391,8 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
         raise ValueError("FocusConfig(init='kmeans') fits the centroids on sample batches: pass init_batches=[...]")
     if init_batches is not None and not kmeans:
         raise ValueError(f"init_batches are for FocusConfig(init='kmeans'), got {config!r}")
+    if progress is not None and not kmeans:
+        raise ValueError(f"progress reports the k-means fit of FocusConfig(init='kmeans'), got {config!r}")
     if isinstance(config, WindowConfig):
         return _retrofit_window(model, config, impl)
     rngs = as_rngs(rngs)
@@ -455,7 +457,7 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
             setattr(attn, name, variable_type(value))
     model.config = model_config
     if kmeans:
-        kmeans_centroids(model, init_batches, key=rngs.params())
+        kmeans_centroids(model, init_batches, key=rngs.params(), progress=progress)
     return model
 
 
