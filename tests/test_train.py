@@ -1376,6 +1376,49 @@ def _get(tree, path):
     return tree
 
 
+def test_a_run_builds_its_model_on_the_host_device_then_places_it(tmp_path, cache_dir, monkeypatch):
+    """A run builds its model (a Hugging Face directory's tensors, a Focus retrofit's new parameters) and casts it
+    on `trainer.host_device()` (the host's CPU on a GPU or TPU machine, so that no accelerator need hold the whole
+    model), then places it on the mesh. With the host device patched to CPU device 5 of 8, every parameter of the
+    built model and of the cast trees lives there, and the losses equal those of the same run built on device 0."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf_dir = str(tmp_path / "hf")
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(hf_dir, safe_serialization=True)
+
+    def config():
+        config = tiny(cache_dir, init_from=hf_dir, total_steps=2, param_dtype="bfloat16")
+        config.model = {"family": "hf"}
+        config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
+        config.optim.trainable = "centroids"
+        return config
+
+    train(config(), str(tmp_path / "device0"))
+    devices, split, cast = [], trainer.split_trainable, trainer.cast_floats
+    on = lambda *trees: {device for tree in trees for x in jax.tree.leaves(tree) for device in x.devices()}
+
+    def split_spied(model, optim):
+        devices.append(on(nnx.state(model)))
+        return split(model, optim)
+
+    def cast_spied(tree, dtype, **kwargs):
+        result = cast(tree, dtype, **kwargs)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(result)):  # (not the steps' casts)
+            devices.append(on(result))
+        return result
+
+    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[5])
+    monkeypatch.setattr(trainer, "split_trainable", split_spied)
+    monkeypatch.setattr(trainer, "cast_floats", cast_spied)
+    train(config(), str(tmp_path / "device5"))
+    assert devices == [{jax.devices()[5]}] * 3  # the built model, the trainable and the frozen trees cast
+    assert losses(str(tmp_path / "device5")) == losses(str(tmp_path / "device0"))
+
+
 def test_init_from_hugging_face_directory(tmp_path, cache_dir):
     import torch
     import transformers

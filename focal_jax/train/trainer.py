@@ -201,6 +201,16 @@ def pinned_base_step(run: RunConfig, meta: dict | None = None) -> int | None:
     return checkpoint.read_meta(run.init_from)[0]
 
 
+def host_device():
+    """The device a run builds its model on before placing it on the mesh: this process's CPU device (host memory,
+    so that a model larger than one accelerator can load), or its first device where JAX has no CPU backend
+    (`JAX_PLATFORMS` without 'cpu')."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
 def init_model(run: RunConfig, *, base_step: int | None = None):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
     pretrained `init_from` workdir's parameters (of its checkpoint `base_step`, default the latest), then the
@@ -659,7 +669,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     data_iter = train_iterator(data)
     kmeans = any(kmeans_init(change) for change in run.retrofit)
     init_from_step = pinned_base_step(run, stored)
-    model = init_model(run, base_step=init_from_step)
+    host = host_device()
+    with jax.default_device(host):  # in host memory: no one accelerator need hold the model before the mesh does
+        model = init_model(run, base_step=init_from_step)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -682,7 +694,8 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     keep_float32 = routing_param_paths(model)
     del model
     param_dtype = DTYPES[run.param_dtype]
-    trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
+    with jax.default_device(host):
+        trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainable))
     n_total = n_trainable + sum(x.size for x in jax.tree.leaves(frozen))
     log(f"model: {run.family}, {n_total:,} parameters, {n_trainable:,} trainable ({run.optim.trainable}"
@@ -691,9 +704,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     # ---------------------------------------------------------------- Optimizer, sharding
     tx = make_optimizer(run.optim, run.total_steps)
     trainable_sharding, frozen_sharding = tree_shardings(trainable, mesh), tree_shardings(frozen, mesh)
-    if jax.process_count() > 1:
-        # Arrays on this process's devices (a restored base run's) cannot be put on another host's: place host copies
-        trainable, frozen = jax.tree.map(np.asarray, trainable), jax.tree.map(np.asarray, frozen)
+    # Placed from host copies: the model's arrays may be on another backend (the host's CPU), and in a multi-process
+    # run arrays on this process's devices (a restored base run's) cannot be put on another host's
+    trainable, frozen = jax.tree.map(np.asarray, trainable), jax.tree.map(np.asarray, frozen)
     trainable = jax.device_put(trainable, trainable_sharding)
     frozen = jax.device_put(frozen, frozen_sharding)
     if kmeans and resume_step is None:  # on the run's first batch, which training then starts on
