@@ -59,9 +59,9 @@ dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper
 hidden states, so groups are as (im)balanced as Sinkhorn leaves them; ``max_groups=1``, and the same call without it,
 whose group-sorted arrays hold K * T entries, and with an attention sink of 4 tokens (``--sinks``: of each size given),
 without segment ids and with one segment, which gathers each query's sink keys (``focal_jax.attention.sink``, 16 at a
-time), as rows of their own), plus the routing
-itself (``routing_scores`` + ``sinkhorn``) as its own row. ``jax.nn.dot_product_attention`` (XLA, causal) is timed
-too, as a baseline from outside the library: it shows whether "dense" is a fair denominator. Columns:
+time), as rows of their own), plus the routing itself (``routing_scores`` + ``sinkhorn``) as its own row.
+``jax.nn.dot_product_attention`` (XLA, causal) is timed too, as a baseline from outside the library: it shows whether
+"dense" is a fair denominator. Columns:
 
 * time: median of ``--repeats`` jitted forward calls after one warm-up call, ``block_until_ready``. The calls of one
   length are timed round-robin (one call of each per round), so load drift on a shared machine hits all alike;

@@ -440,7 +440,8 @@ def test_a_long_sink_runs_in_steps_of_16_keys():
     from focal_jax.attention import sink as sink_module
 
     one_step = lambda q, k, v: sink_module._sink_step(q, k, v, mem, 0, 0, sink, multiplier=1.0, window=2,
-                                                      segment_ids=segment_ids, segment_order=None, sink=sink,
+                                                      segment_ids=segment_ids,
+                                                      order=sink_module.segment_order(segment_ids), sink=sink,
                                                       softcap=None)[0]
     assert sizes(one_step) >= b * t * sink * h * d
     short = slice(0, 40)

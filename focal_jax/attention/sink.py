@@ -43,26 +43,29 @@ def sink_key_mask(segment_ids, sink, b, t):
     return place(jnp.asarray(segment_ids)) <= sink
 
 
-def sink_keys(segment_ids, offsets, sink, b, t, segment_order=None):
+def segment_order(segment_ids):
+    """`_first_of_segment` of each row of `segment_ids [B, T]` (two int `[B, T]`), or None without segment ids: what
+    `sink_keys` needs, computed once for all of a sink's steps."""
+    return None if segment_ids is None else jax.vmap(_first_of_segment)(jnp.asarray(segment_ids))
+
+
+def sink_keys(segment_ids, order, offsets, sink, b, t):
     """The sink keys at places `offsets` (int `[n]`, 0 for a segment's first token) among the first `sink` tokens of
     each query's segment (of the row without segment ids): positions int `[B, T, n]` and bool `[B, T, n]` whether
     each exists (offset < min(sink, T), and a segment of fewer tokens has fewer; a missing key's position is a
-    valid index, but meaningless). `segment_order`: `_first_of_segment` of each row (`[B, T]` twice), if at hand."""
+    valid index, but meaningless). `order`: `segment_order(segment_ids)`."""
     offsets = jnp.asarray(offsets, jnp.int32)
     n = offsets.shape[0]
     if segment_ids is None:
         return (jnp.broadcast_to(jnp.minimum(offsets, t - 1), (b, t, n)),
                 jnp.broadcast_to(offsets < min(sink, t), (b, t, n)))
-    segment_ids = jnp.asarray(segment_ids)
-    if segment_order is None:
-        segment_order = jax.vmap(_first_of_segment)(segment_ids)
 
     def one_row(ids, order, first):
         index = first[:, None] + offsets
         key = order[jnp.minimum(index, t - 1)].astype(jnp.int32)
         return key, (index < t) & (offsets < sink) & (ids[key] == ids[:, None])
 
-    return jax.vmap(one_row)(segment_ids, *segment_order)
+    return jax.vmap(one_row)(jnp.asarray(segment_ids), *order)
 
 
 def _rows_at_sink_keys(x, key, start, segment_ids):
@@ -84,14 +87,13 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def _sink_step(q, k, v, membership, start, first, n, *, multiplier, window, segment_ids, segment_order, sink,
-               softcap):
+def _sink_step(q, k, v, membership, start, first, n, *, multiplier, window, segment_ids, order, sink, softcap):
     """Set C's attention (`sink_set`) over the sink keys at places `start .. start + n - 1` of each segment, those
     before place `first` left out (an earlier step's): (out `[B, T, H, Dv]` float32, lse `[B, T, H]` float32)."""
     b, t, h, d = q.shape
     hk = k.shape[2]
     offsets = start + jnp.arange(n, dtype=jnp.int32)
-    key, exists = sink_keys(segment_ids, offsets, sink, b, t, segment_order)
+    key, exists = sink_keys(segment_ids, order, offsets, sink, b, t)
     rows = lambda x: _rows_at_sink_keys(x, key, start, segment_ids)
     query = jnp.arange(t, dtype=jnp.int32)[None, :, None]
     shares = jnp.any(membership[:, :, None, :] & rows(membership), axis=-1)
@@ -122,9 +124,8 @@ def sink_set(q, k, v, membership, *, multiplier, window, segment_ids, sink, soft
     rematerialised steps merged by log-sum-exp.
     """
     s = min(sink, q.shape[1])
-    segment_order = None if segment_ids is None else jax.vmap(_first_of_segment)(jnp.asarray(segment_ids))
     step = functools.partial(_sink_step, q, k, v, membership, multiplier=multiplier, window=window,
-                             segment_ids=segment_ids, segment_order=segment_order, sink=sink, softcap=softcap)
+                             segment_ids=segment_ids, order=segment_order(segment_ids), sink=sink, softcap=softcap)
     if s <= SINK_CHUNK:
         return step(0, 0, s)
 

@@ -386,7 +386,7 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
                          f"{type(config).__name__}")
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"retrofit supports focal_jax Llama and GPT2 models, got {type(model).__name__}")
-    kmeans = isinstance(config, FocusConfig) and config.init == "kmeans"
+    kmeans = kmeans_init(config)
     if kmeans and init_batches is None:
         raise ValueError("FocusConfig(init='kmeans') fits the centroids on sample batches: pass init_batches=[...]")
     if init_batches is not None and not kmeans:
@@ -459,6 +459,11 @@ def retrofit(model, config, *, rngs: nnx.Rngs | int | None = None, impl: str | N
     if kmeans:
         kmeans_centroids(model, init_batches, key=rngs.params(), progress=progress)
     return model
+
+
+def kmeans_init(config) -> bool:
+    """Whether the retrofit `config` is Focus with k-means centroids (`FocusConfig(init='kmeans')`)."""
+    return isinstance(config, FocusConfig) and config.init == "kmeans"
 
 
 def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = True):
@@ -577,13 +582,11 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
                      for r, attn in zip(focus_records, layers_of(recording))]
         return jnp.stack(projected)[layer_index]  # (a traced index: one compile for all layers)
 
+    reals = [np.ones(np.shape(batch["inputs"]), bool) if batch.get("segment_ids") is None
+             else _on_host(batch["segment_ids"]) != 0 for batch in batches]  # [B, T] each: not padding
     for layer_index, (attn, layer_key) in enumerate(zip(layers, jax.random.split(key, len(layers)))):
-        points = []
-        for batch in batches:
-            projected = _on_host(routing_inputs(nnx.state(model), batch, layer_index))
-            real = np.ones(projected.shape[:2], bool) if batch.get("segment_ids") is None else (
-                _on_host(batch["segment_ids"]) != 0)
-            points.append(projected[real])
+        points = [_on_host(routing_inputs(nnx.state(model), batch, layer_index))[real]
+                  for batch, real in zip(batches, reals)]
         c, points = attn.config, np.concatenate(points)
         centroids = kmeans(points, c.focus_groups, key=layer_key, iters=iters, spherical=c.focus_normalize)
         attn.centroids[...] = centroids.astype(attn.centroids[...].dtype)

@@ -26,7 +26,7 @@ from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.models import attention_layers
-from focal_jax.nn.retrofit import NEW_TYPES, FocusConfig, kmeans_centroids, retrofit
+from focal_jax.nn.retrofit import NEW_TYPES, kmeans_centroids, kmeans_init, retrofit
 from focal_jax.nn.variables import Centroid, Temperature
 from focal_jax.train import checkpoint
 from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attention_fields, check_config,
@@ -229,11 +229,6 @@ def init_model(run: RunConfig, *, base_step: int | None = None):
             change = dataclasses.replace(change, init="random")
         model = retrofit(model, change, rngs=run.seed)
     return model
-
-
-def kmeans_init(change) -> bool:
-    """Whether the retrofit `change` is Focus with k-means centroids (`FocusConfig(init='kmeans')`)."""
-    return isinstance(change, FocusConfig) and change.init == "kmeans"
 
 
 def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int) -> dict:
