@@ -126,7 +126,7 @@ def test_recall_with_every_cell_skipped_writes_json_and_no_plot(tmp_path, monkey
     workdir.mkdir()
     documents = [ex.prompt + ex.answer for ex in make_examples("needle", 20, seed=0, n_sentences=4)]
     train_tokenizer(documents, 400, str(workdir / "tokenizer.model"))
-    monkeypatch.setattr(trainer, "load_model", lambda path, step=None: _llama({"kind": "dense"}))
+    monkeypatch.setattr(trainer, "load_model", lambda path, step=None, mesh=None: _llama({"kind": "dense"}))
     monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (3, {"config": {"data": {"seq_len": 16}}}))
     rows = recall.main(["--workdir", str(workdir), "--tasks", "needle", "--lengths", "8,16", "--n", "1"])
     assert [r["n"] for r in rows] == [0, 0]  # both lengths are below needle's shortest prompt
@@ -135,3 +135,26 @@ def test_recall_with_every_cell_skipped_writes_json_and_no_plot(tmp_path, monkey
     assert not (workdir / "recall.png").exists()
     assert "no plot" in capsys.readouterr().out
 
+
+
+def test_a_mesh_that_cannot_be_made_is_refused_before_the_run_loads(monkeypatch, capsys):
+    """`--mesh`: a malformed value, an axis outside data / fsdp / tensor, or sizes that do not fit the 8 devices
+    name the value, in every command, before anything loads."""
+    from focal_jax.eval import _cli, harness
+    from focal_jax.train import sharding
+
+    assert _cli.MESH_AXES == sharding.MESH_AXES  # (the command lines parse --mesh without the training stack)
+    _no_loading(monkeypatch)
+    monkeypatch.setattr(harness, "hf_model", lambda *args, **kwargs: pytest.fail("loaded the model"))
+    commands = [(perplexity.main, []), (diagnostics.main, []), (recall.main, []), (helmet.main, ["--data", "DATA"]),
+                (harness.main, ["--tasks", "x"])]
+    for main, required in commands:
+        for value, needle in (
+                ("tensor", "argument --mesh: expected AXIS=SIZE pairs separated by commas, each of the axes data, "
+                           "fsdp, tensor at most once (e.g. tensor=8), got 'tensor'"),
+                ("model=8", "got 'model=8'"), ("tensor=2,tensor=4", "got 'tensor=2,tensor=4'"),
+                ("tensor=two", "tensor='two' in 'tensor=two': the size must be an integer"),
+                ("tensor=3", "--mesh: mesh {'data': 1, 'fsdp': 1, 'tensor': 3} has 3 devices, but there are 8"),
+                ("fsdp=-1,tensor=-1", "--mesh: mesh sizes must be >= 1, with at most one -1"),
+                ("tensor=0", "--mesh: mesh sizes must be >= 1")):
+            _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", value], needle)

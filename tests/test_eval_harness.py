@@ -370,3 +370,33 @@ def test_generate_until_keeps_the_end_of_a_long_prompt(model, tokenizer):
     assert kept != naive_greedy(model, prompt[:20], 4, tokenizer.eos_id)  # which end is kept matters
     got = lm.generate_until(requests((context, {"max_gen_toks": 4})), disable_tqdm=True)
     assert got == [tokenizer.decode(kept)]
+
+
+def test_command_line_evaluates_a_hugging_face_directory_on_a_mesh(tokenizer, tmp_path, local_task, monkeypatch):
+    """`--hf DIR --mesh tensor=8`: the model is placed on the mesh (`harness.hf_model`) and lm_eval's scores, and
+    the log-likelihoods under them, equal those on one device."""
+    from focal_jax.convert.hf import to_hf
+    from focal_jax.eval import harness
+
+    directory = tmp_path / "hf"
+    to_hf(_llama(tokenizer, 1, {"kind": "dense"}), str(directory))
+    rows = [{"question": q, "choices": ["the softmax", "segment ids"], "label": i % 2}
+            for i, q in enumerate(["what does focal attention sharpen?", "what do rows hold?"])]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    local_task.write_text(
+        "task: focal_jax_qa\ndataset_path: json\ntest_split: train\noutput_type: multiple_choice\n"
+        f"dataset_kwargs:\n  data_files:\n    train: {tmp_path / 'mc.jsonl'}\n  cache_dir: {tmp_path / 'cache'}\n"
+        "doc_to_text: 'Question: {{question}}\nAnswer:'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    models, scores = [], []
+    hf_model, loglikelihood = harness.hf_model, FocalJaxLM.loglikelihood
+    monkeypatch.setattr(harness, "hf_model", lambda d, mesh=None: models.append(hf_model(d, mesh=mesh)) or models[-1])
+    monkeypatch.setattr(FocalJaxLM, "loglikelihood",
+                        lambda self, *a, **k: scores.append(loglikelihood(self, *a, **k)) or scores[-1])
+    args = ["--hf", str(directory), "--tokenizer", tokenizer.path, "--tasks", "focal_jax_qa", "--include_path",
+            str(local_task.parent), "--bootstrap_iters", "0", "--batch_size", str(BATCH)]
+    want, got = harness.main(args), harness.main([*args, "--mesh", "tensor=8"])
+    assert got["results"] == want["results"] and len(scores[1]) == 4
+    np.testing.assert_allclose([s for s, _ in scores[1]], [s for s, _ in scores[0]], rtol=1e-5)
+    q = nnx.to_pure_dict(nnx.state(models[1]))["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    assert len(q.sharding.device_set) == 8 and q.sharding.spec[1] == "tensor"

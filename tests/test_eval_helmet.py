@@ -592,7 +592,7 @@ def test_command_line_on_a_tiny_model_writes_json_and_png(data_dir, tokenizer, t
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
-    monkeypatch.setattr(trainer, "load_model", lambda path, step=None: _llama(tokenizer.vocab_size))
+    monkeypatch.setattr(trainer, "load_model", lambda path, step=None, mesh=None: _llama(tokenizer.vocab_size))
     monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (3, {"config": {"data": {"seq_len": 64}}}))
     out = tmp_path / "res" / "helmet.json"
     result = helmet.main(["--workdir", str(workdir), "--data", str(data_dir), "--datasets", "json_kv,nq",

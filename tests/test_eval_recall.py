@@ -305,7 +305,8 @@ def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, caps
     tasks, lengths = ["needle", "frequent_words"], [96, 160]
     answers = {s.example.prompt: s.example.answer for task in tasks for length in lengths
                for s in recall.length_matched(task, tokenizer, length, 2, seed=0)}
-    monkeypatch.setattr(trainer, "load_model", lambda path, step=None: _llama({}, vocab=tokenizer.vocab_size))
+    monkeypatch.setattr(trainer, "load_model",
+                        lambda path, step=None, mesh=None: _llama({}, vocab=tokenizer.vocab_size))
     monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (7, {"config": {"data": {"seq_len": 64}}}))
     monkeypatch.setattr(recall, "greedy_decode", _oracle(tokenizer, answers)[0])
     recall.main(["--workdir", str(workdir), "--tasks", ",".join(tasks), "--lengths", "96,160", "--n", "2"])
@@ -316,7 +317,8 @@ def test_command_line_writes_json_and_png(tokenizer, tmp_path, monkeypatch, caps
     assert "recall: needle at 96 tokens" in out and "| frequent_words | 1.000 | 1.000 |" in out
     assert "recall: note: lengths [96, 160] go past the 64 tokens the model was trained on" in out  # (no note before)
     loaded = []
-    monkeypatch.setattr(trainer, "load_model", lambda path, step=None: loaded.append(step) or _llama({}, vocab=VOCAB))
+    monkeypatch.setattr(trainer, "load_model",
+                        lambda path, step=None, mesh=None: loaded.append(step) or _llama({}, vocab=VOCAB))
     recall.main(["--workdir", str(workdir), "--tasks", "needle", "--lengths", "96", "--n", "2", "--step", "7",
                  "--rope-ntk-factor", "2"])
     record = json.loads((workdir / "recall.json").read_text())

@@ -2,8 +2,14 @@
 written, or a setting out of range, would otherwise fail only after the whole evaluation, its results lost."""
 
 import argparse
+import contextlib
 import math
 import os
+
+MESH_AXES = ("data", "fsdp", "tensor")  # as focal_jax.train.sharding, which the command lines import only when asked
+MESH_HELP = ("split the model over this process's devices, e.g. tensor=8 (heads, MLP and vocabulary over 8 devices) "
+             "or fsdp=2,tensor=4 (the embedding dimension too); axes data, fsdp, tensor, one size may be -1 (the "
+             "rest of the devices). Each batch is whole on every device. Default: one device")
 
 
 def rope_ntk_factor(text: str) -> float:
@@ -16,6 +22,46 @@ def rope_ntk_factor(text: str) -> float:
     if not 1 <= value < math.inf:  # (NaN too)
         raise argparse.ArgumentTypeError(f"the dynamic NTK scaling factor must be a finite number >= 1, got {text!r}")
     return value
+
+
+def mesh_shape(text: str) -> dict:
+    """argparse type of `--mesh`: `AXIS=SIZE[,AXIS=SIZE...]` over the axes `MESH_AXES`, each size an integer >= 1
+    or -1 (the rest of the devices), each axis once -> {axis: size}; anything else is a usage error naming it.
+    Whether the sizes fit the devices is `evaluation_mesh`'s check."""
+    shape = {}
+    for item in text.split(","):
+        axis, equals, size = item.strip().partition("=")
+        if not equals or axis.strip() not in MESH_AXES or axis.strip() in shape:
+            raise argparse.ArgumentTypeError(
+                f"expected AXIS=SIZE pairs separated by commas, each of the axes {', '.join(MESH_AXES)} at most once "
+                f"(e.g. tensor=8), got {text!r}")
+        try:
+            shape[axis.strip()] = int(size)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{axis.strip()}={size!r} in {text!r}: the size must be an integer "
+                                             f"(>= 1, or -1 for the rest of the devices)") from None
+    return shape
+
+
+def evaluation_mesh(parser: argparse.ArgumentParser, shape: dict | None):
+    """The `jax.sharding.Mesh` of a command's `--mesh` shape (None without one); a shape that does not fit the
+    devices is a usage error naming it and the device count."""
+    if shape is None:
+        return None
+    from focal_jax.train.sharding import make_mesh  # the training stack: only when a mesh is asked for
+
+    try:
+        return make_mesh(shape)
+    except ValueError as e:
+        parser.error(f"--mesh: {e}")
+
+
+def on_mesh(mesh):
+    """The context an evaluation runs in: `jax.set_mesh(mesh)` (the Pallas kernels then run per shard), or none
+    without a mesh."""
+    import jax
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _nearest_existing(path: str) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
-from focal_jax.eval._cli import output_file_error
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import segment_positions
 from focal_jax.nn.models import attention_layers, check_model
@@ -92,18 +92,20 @@ class Run:
 
 
 def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_size: int | None = None,
-             step: int | None = None) -> Run:
+             step: int | None = None, mesh=None) -> Run:
     """The model of a focal_jax training workdir (latest checkpoint, or checkpoint `step`: an intermediate one), its
     tokenizer, and `n_batches` held-out batches of the run's data, packed at `seq_len` tokens per row (default: the
     trained length).
 
     batch_size: rows per batch; default the run's `batch_size`, scaled by trained / evaluated length so that a
     batch holds about as many tokens as in training (at least one row).
+    mesh: place the model's parameters on this mesh (`focal_jax.train.trainer.load_model`); evaluate it under
+    `jax.set_mesh(mesh)`.
     """
     for name, value in (("n_batches", n_batches), ("seq_len", seq_len), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
-    model = load_model(workdir, step=step)  # first: it names the saved steps when `step` is not one
+    model = load_model(workdir, step=step, mesh=mesh)  # first: it names the saved steps when `step` is not one
     step, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     trained = run.data.seq_len
@@ -599,8 +601,9 @@ def plot_diagnostics(result: dict, path: str) -> str:
 
 def main(argv=None) -> dict:
     """`python -m focal_jax.eval.diagnostics --workdir DIR [--step S] [--batches N] [--seq-len N] [--batch-size N]
-    [--topk K] [--top N] [--no-entropy] [--out FILE.json] [--png FILE.png]`: group diagnostics and attention
-    entropy of a trained run on held-out batches; prints the tables and returns the result."""
+    [--topk K] [--top N] [--no-entropy] [--mesh AXIS=N,...] [--out FILE.json] [--png FILE.png]`: group
+    diagnostics and attention entropy of a trained run on held-out batches; prints the tables and returns the
+    result."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.diagnostics", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
@@ -611,6 +614,7 @@ def main(argv=None) -> dict:
                         help="analyse the hard top-k form of a Focus model (default: as configured)")
     parser.add_argument("--top", type=int, default=8, help="tokens per group in the top-token table")
     parser.add_argument("--no-entropy", action="store_true", help="skip the attention entropy")
+    parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--png", help="write the entropy heatmap and dominance plot here")
     args = parser.parse_args(argv)
@@ -619,9 +623,10 @@ def main(argv=None) -> dict:
     for flag, path in (("--out", args.out), ("--png", args.png)):  # checked now, not after the evaluation
         if path and (problem := output_file_error(flag, path, make_folder=True)):
             parser.error(problem)
+    mesh = evaluation_mesh(parser, args.mesh)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
-                       step=args.step)
+                       step=args.step, mesh=mesh)
     except ValueError as e:
         parser.error(str(e))
     model = run.model
@@ -640,7 +645,8 @@ def main(argv=None) -> dict:
                      f"{sorted({c.kind for c in attention_configs(model)})}): drop --no-entropy for the entropy")
     print(f"diagnostics of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
           f"{np.shape(run.batches[0]['inputs'])} tokens", flush=True)
-    result = diagnose(model, run.batches, top=args.top, entropy=not args.no_entropy, progress=True)
+    with on_mesh(mesh):
+        result = diagnose(model, run.batches, top=args.top, entropy=not args.no_entropy, progress=True)
     result.update(workdir=args.workdir, step=run.step, seq_len=run.seq_len)
     if is_focus(model):
         print("\n" + format_routing_table(result) + "\n\n" + format_top_tokens(result, run.tokenizer))

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from focal_jax._validation import check_int
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
-from focal_jax.eval._cli import output_file_error
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import check_model
@@ -185,9 +185,10 @@ class FocalJaxLM(TemplateLM):
         self.add_bos_token = add_bos_token
 
     @classmethod
-    def from_workdir(cls, workdir: str, *, step: int | None = None, **kwargs) -> "FocalJaxLM":
+    def from_workdir(cls, workdir: str, *, step: int | None = None, mesh=None, **kwargs) -> "FocalJaxLM":
         """The model of a focal_jax run directory (latest checkpoint, or checkpoint `step`;
-        `focal_jax.train.trainer.load_model`) and the tokenizer it was trained with (its workdir copy:
+        `focal_jax.train.trainer.load_model`, its parameters placed on `mesh` when given: evaluate under
+        `jax.set_mesh(mesh)`) and the tokenizer it was trained with (its workdir copy:
         `focal_jax.data.tokenizer.workdir_tokenizer`). `max_length` defaults to the run's `data.seq_len`; other
         keyword arguments as the constructor."""
         from focal_jax.train import checkpoint, trainer  # the training stack only when loading a run
@@ -197,7 +198,7 @@ class FocalJaxLM(TemplateLM):
         _, meta = checkpoint.read_meta(workdir)
         if kwargs.get("max_length") is None:
             kwargs["max_length"] = meta["config"]["data"]["seq_len"]
-        return cls(trainer.load_model(workdir, step=step), tokenizer, **kwargs)
+        return cls(trainer.load_model(workdir, step=step, mesh=mesh), tokenizer, **kwargs)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FocalJaxLM":
@@ -352,11 +353,28 @@ def unknown_tasks(tasks: list[str], registered: list[str]) -> str:
     return "\n".join(lines)
 
 
+def hf_model(directory: str, *, mesh=None):
+    """The model of a Hugging Face directory (`focal_jax.convert.hf.from_hf`, float32); with a `mesh`, built in
+    host memory and its parameters placed on the mesh (`focal_jax.train.sharding.place_model`) as
+    `focal_jax.train.trainer.load_model` places a run's."""
+    from focal_jax.convert.hf import from_hf
+
+    if mesh is None:
+        return from_hf(directory)
+    from focal_jax.train.sharding import place_model
+    from focal_jax.train.trainer import host_device
+
+    with jax.default_device(host_device()):
+        model = from_hf(directory)
+    return place_model(model, mesh)
+
+
 def main(argv=None) -> dict:
     """`python -m focal_jax.eval.harness (--workdir DIR [--step S] | --hf DIR) --tasks T1,T2 [--num_fewshot N]
-    [--batch_size 8] [--max_length L] [--limit N] [--include_path DIR] [--output FILE]`: evaluate a focal_jax run
-    (or a Hugging Face directory as loaded by `focal_jax.convert.hf.from_hf`, with its `tokenizer.model`, else its
-    `tokenizer.json`, or `--tokenizer`) on lm_eval tasks, print the results table, and write the results (JSON)."""
+    [--batch_size 8] [--max_length L] [--limit N] [--include_path DIR] [--mesh AXIS=N,...] [--output FILE]`: evaluate
+    a focal_jax run (or a Hugging Face directory as loaded by `focal_jax.convert.hf.from_hf`, with its
+    `tokenizer.model`, else its `tokenizer.json`, or `--tokenizer`) on lm_eval tasks, print the results table, and
+    write the results (JSON)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.harness", description=main.__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="a focal_jax run directory")
@@ -372,10 +390,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--limit", type=float, default=None, help="examples per task (testing only)")
     parser.add_argument("--include_path", default=None, help="directory of extra task YAML files")
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="0 skips the standard errors")
+    parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--output", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
     if args.output and (problem := output_file_error("--output", args.output, make_folder=False)):
         parser.error(problem)  # now, not after the evaluation
+    mesh = evaluation_mesh(parser, args.mesh)
 
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -388,19 +408,19 @@ def main(argv=None) -> dict:
     options = dict(batch_size=args.batch_size, max_length=args.max_length, max_gen_toks=args.max_gen_toks)
     try:
         if args.workdir:
-            lm = FocalJaxLM.from_workdir(args.workdir, step=args.step, **options)
+            lm = FocalJaxLM.from_workdir(args.workdir, step=args.step, mesh=mesh, **options)
         else:
-            from focal_jax.convert.hf import from_hf
-
-            lm = FocalJaxLM(from_hf(args.hf), load_tokenizer(args.tokenizer or tokenizer_file(args.hf)), **options)
+            lm = FocalJaxLM(hf_model(args.hf, mesh=mesh), load_tokenizer(args.tokenizer or tokenizer_file(args.hf)),
+                            **options)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     print(f"focal_jax: evaluating {type(lm.model).__name__} (max_length {lm.max_length}, batch {lm.batch_size}) "
           f"on {args.tasks}", flush=True)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
-        limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
-        bootstrap_iters=args.bootstrap_iters, log_samples=False, task_manager=task_manager)
+    with on_mesh(mesh):
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
+            limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit,
+            bootstrap_iters=args.bootstrap_iters, log_samples=False, task_manager=task_manager)
     print(lm_utils.make_table(results))
     if args.output:
         with open(args.output, "w") as f:

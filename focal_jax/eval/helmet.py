@@ -75,7 +75,7 @@ writes JSON and a PNG of score against length per group):
 
   python -m focal_jax.eval.helmet --workdir DIR --data HELMET_DATA_DIR --datasets json_kv,nq,msmarco,banking77
       --lengths 4096,8192 [--n N] [--seed 42] [--fit drop|truncate] [--batch-size 8] [--topk K]
-      [--out FILE.json] [--png FILE.png]
+      [--mesh AXIS=N,...] [--out FILE.json] [--png FILE.png]
 
 `--datasets` also takes group names (`recall,rag,rerank,icl,longqa,ruler`); the default is HELMET's five groups that
 run here (recall, rag, rerank, icl, longqa).
@@ -98,7 +98,7 @@ from typing import Callable
 import numpy as np
 
 from focal_jax._validation import check_distinct, check_int
-from focal_jax.eval._cli import output_file_error, rope_ntk_factor
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
@@ -1178,6 +1178,7 @@ def main(argv=None) -> dict:
                              "Focal paper's 64K evaluation)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
+    parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--out", default=None, help="results JSON (default: WORKDIR/helmet.json)")
     parser.add_argument("--png", default=None, help="plot (default: the JSON path with .png)")
     args = parser.parse_args(argv)
@@ -1189,6 +1190,7 @@ def main(argv=None) -> dict:
     for flag, path in (("--out", out), ("--png", png)):  # checked now, not after the evaluation
         if problem := output_file_error(flag, path, make_folder=True):
             parser.error(problem)
+    mesh = evaluation_mesh(parser, args.mesh)
     try:
         specs = resolve_datasets(args.datasets)
         _check_lengths(args.lengths)
@@ -1197,16 +1199,17 @@ def main(argv=None) -> dict:
         check_data(specs, data_dir, args.lengths)
         model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
                                                    rope_ntk_factor=args.rope_ntk_factor, name="helmet",
-                                                   lengths=args.lengths)
-        result = evaluate(model, tokenizer, data_dir, datasets=[s.name for s in specs], lengths=args.lengths,
-                          n=args.n, seed=args.seed, fit=args.fit, batch_size=args.batch_size,
-                          log=lambda line: print(line, flush=True))
+                                                   lengths=args.lengths, mesh=mesh)
+        with on_mesh(mesh):
+            result = evaluate(model, tokenizer, data_dir, datasets=[s.name for s in specs], lengths=args.lengths,
+                              n=args.n, seed=args.seed, fit=args.fit, batch_size=args.batch_size,
+                              log=lambda line: print(line, flush=True))
     except (FileNotFoundError, ValueError, ImportError) as e:
         parser.error(str(e))
     print(format_table(result))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     record = {"workdir": workdir, "step": step, "data": data_dir, "seed": args.seed, "fit": args.fit,
-              "topk": args.topk, "rope_ntk_factor": args.rope_ntk_factor, "n": args.n, **result}
+              "topk": args.topk, "rope_ntk_factor": args.rope_ntk_factor, "n": args.n, "mesh": args.mesh, **result}
     with open(out, "w") as f:
         json.dump(record, f, indent=2)
     label = f"{os.path.basename(workdir)} (step {step}{f', top-{args.topk}' if args.topk else ''})"

@@ -35,7 +35,7 @@ from flax import nnx
 
 from focal_jax.attention import topk_membership
 from focal_jax.attention.sink import sink_key_mask
-from focal_jax.eval._cli import output_file_error, rope_ntk_factor
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, rope_ntk_factor
 from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
                                         is_focus, load_run, prefix_sums, real_tokens, routed_layers)
 from focal_jax.nn.attention import IMPLS, record_attention
@@ -332,9 +332,9 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     """`python -m focal_jax.eval.perplexity --workdir DIR [--step S] [--batches N] [--topk all|1,2] [--seq-len N]
-    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas|cudnn] [--out FILE.json]`: the
-    perplexity table of a trained run on its held-out data (soft and hard top-k rows for a Focus model); prints it
-    and returns the rows."""
+    [--batch-size N] [--rope-ntk-factor F] [--window W] [--impl xla|decomposed|pallas|cudnn] [--mesh AXIS=N,...]
+    [--out FILE.json]`: the perplexity table of a trained run on its held-out data (soft and hard top-k rows for a
+    Focus model); prints it and returns the rows."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.perplexity", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None,
@@ -352,13 +352,15 @@ def main(argv=None) -> list[dict]:
                              "models; e.g. pretrained weights zero-shot, the Focus paper's Table 1 baseline)")
     parser.add_argument("--impl", choices=IMPLS, default=None,
                         help="attention implementation of the hard rows (of the one row of a non-Focus model)")
+    parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--out", help="write the rows (and the settings) as JSON here")
     args = parser.parse_args(argv)
     if args.out and (problem := output_file_error("--out", args.out, make_folder=True)):
         parser.error(problem)  # now, not after the evaluation
+    mesh = evaluation_mesh(parser, args.mesh)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
-                       step=args.step)
+                       step=args.step, mesh=mesh)
     except ValueError as e:
         parser.error(str(e))
     model = run.model
@@ -380,7 +382,8 @@ def main(argv=None) -> list[dict]:
     print(f"perplexity of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
           f"{np.shape(run.batches[0]['inputs'])} tokens (trained at {run.trained_seq_len})", flush=True)
     try:
-        rows = topk_table(model, run.batches, topk=topk, impl=args.impl, progress=True)
+        with on_mesh(mesh):
+            rows = topk_table(model, run.batches, topk=topk, impl=args.impl, progress=True)
     except ValueError as e:
         parser.error(str(e))
     print("\n" + format_table(rows))
@@ -389,7 +392,7 @@ def main(argv=None) -> list[dict]:
         settings = dict(workdir=os.path.abspath(args.workdir), step=run.step, seq_len=run.seq_len,
                         trained_seq_len=run.trained_seq_len, batches=len(run.batches),
                         batch_size=int(np.shape(run.batches[0]["inputs"])[0]), topk=topk,
-                        rope_ntk_factor=args.rope_ntk_factor, window=args.window, impl=args.impl)
+                        rope_ntk_factor=args.rope_ntk_factor, window=args.window, impl=args.impl, mesh=args.mesh)
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")

@@ -18,7 +18,7 @@ eos) and scored with `focal_jax.data.synthetic.score`.
 Command line (prints progress and a table; writes `recall.json` and `recall.png` into `--out`, default the workdir):
 
   python -m focal_jax.eval.recall --workdir DIR [--tasks needle,json_kv] [--lengths 128,256,512] [--n 20]
-      [--seed 0] [--topk K] [--out DIR]
+      [--seed 0] [--topk K] [--mesh AXIS=N,...] [--out DIR]
 
 `--topk K` evaluates a Focus model with hard top-K routing (its attention configs' `focus_topk` replaced).
 """
@@ -39,7 +39,7 @@ from matplotlib.figure import Figure
 
 from focal_jax._validation import check_distinct, check_int
 from focal_jax.data.synthetic import Example, make_examples, score
-from focal_jax.eval._cli import output_dir_error, rope_ntk_factor
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_dir_error, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.models import attention_layers
@@ -307,19 +307,20 @@ def with_rope_ntk(model, factor: float, *, trained_len: int):
 
 def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str | None = None,
                       topk: int | None = None, rope_ntk_factor: float | None = None, name: str = "recall",
-                      lengths=()):
+                      lengths=(), mesh=None):
     """`(model, tokenizer, step)` of a focal_jax run directory for the decoding evaluations (recall, HELMET): the
     model of checkpoint `step` (default the latest), the tokenizer file `tokenizer` (default the run's own copy),
     switched to hard top-`topk` routing (`with_topk`) and to dynamic NTK RoPE past the trained length
     (`with_rope_ntk`) when asked. A note is printed when `lengths` (the input lengths to evaluate) go past the
-    trained length of a model with RoPE and no `rope_ntk_factor`. Raises FileNotFoundError / ValueError naming
-    what is missing or wrong."""
+    trained length of a model with RoPE and no `rope_ntk_factor`. `mesh`: place the parameters on it
+    (`focal_jax.train.trainer.load_model`; decode under `jax.set_mesh(mesh)`). Raises FileNotFoundError /
+    ValueError naming what is missing or wrong."""
     from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command lines only
     from focal_jax.train.checkpoint import read_meta
     from focal_jax.train.trainer import load_model
 
     tokenizer = load_tokenizer(tokenizer) if tokenizer else workdir_tokenizer(workdir)
-    model = load_model(workdir, step=step)
+    model = load_model(workdir, step=step, mesh=mesh)
     step, meta = read_meta(workdir, step)
     print(f"{name}: loaded {workdir} (step {step})", flush=True)
     if topk is not None:
@@ -358,10 +359,12 @@ def main(argv=None) -> list[dict]:
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")
     parser.add_argument("--tokenizer", default=None,
                         help="SentencePiece model or tokenizer.json (default: the workdir's own copy)")
+    parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--out", default=None, help="output directory (default: the workdir)")
     args = parser.parse_args(argv)
     if args.out and (problem := output_dir_error("--out", os.path.expanduser(args.out))):
         parser.error(problem)  # now, not after the evaluation
+    mesh = evaluation_mesh(parser, args.mesh)
 
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     tasks = [t for t in args.tasks.split(",") if t]
@@ -370,16 +373,17 @@ def main(argv=None) -> list[dict]:
             _check_task(task)
         model, tokenizer, step = load_for_decoding(workdir, step=args.step, tokenizer=args.tokenizer, topk=args.topk,
                                                    rope_ntk_factor=args.rope_ntk_factor, name="recall",
-                                                   lengths=args.lengths)
-        rows = recall_suite(model, tokenizer, tasks=tasks, lengths=args.lengths, n_examples=args.n, seed=args.seed,
-                            batch_size=args.batch_size, log=lambda line: print(line, flush=True))
+                                                   lengths=args.lengths, mesh=mesh)
+        with on_mesh(mesh):
+            rows = recall_suite(model, tokenizer, tasks=tasks, lengths=args.lengths, n_examples=args.n,
+                                seed=args.seed, batch_size=args.batch_size, log=lambda line: print(line, flush=True))
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     print(format_table(rows))
     out = os.path.abspath(os.path.expanduser(args.out or workdir))
     os.makedirs(out, exist_ok=True)
     record = {"workdir": workdir, "step": step, "topk": args.topk, "rope_ntk_factor": args.rope_ntk_factor,
-              "seed": args.seed, "rows": rows}
+              "seed": args.seed, "mesh": args.mesh, "rows": rows}
     with open(os.path.join(out, "recall.json"), "w") as f:
         json.dump(record, f, indent=2)
     label = f"{os.path.basename(workdir)} (step {step}{f', top-{args.topk}' if args.topk else ''})"

@@ -11,6 +11,7 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from focal_jax.train.optimizer import path_str
@@ -81,6 +82,17 @@ def tree_shardings(tree, mesh: Mesh):
     def leaf_sharding(path, x):
         return NamedSharding(mesh, partition_spec(path_str(path), np.shape(x), mesh))
     return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
+
+
+def place_model(model, mesh: Mesh):
+    """`model` (an NNX module, e.g. built in host memory by `focal_jax.train.trainer.load_model`) with each of its
+    arrays put on `mesh` as the trainer lays out parameters (`tree_shardings`: the embedding dimension over
+    'fsdp', heads, MLP and vocabulary over 'tensor'), in place; returns `model`. The arrays go through host copies,
+    so they may come from another backend (the host's CPU)."""
+    state = nnx.to_pure_dict(nnx.state(model))
+    shardings = tree_shardings(state, mesh)
+    nnx.update(model, jax.tree.map(lambda x, sharding: jax.device_put(np.asarray(x), sharding), state, shardings))
+    return model
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -35,7 +35,7 @@ from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attent
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
-from focal_jax.train.sharding import check_batch_layout, make_mesh, shard_batch, tree_shardings
+from focal_jax.train.sharding import check_batch_layout, make_mesh, place_model, shard_batch, tree_shardings
 
 
 def log(message: str):
@@ -254,16 +254,26 @@ def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *
     return jax.tree_util.tree_map_with_path(placed, trainable, fitted)
 
 
-def load_model(workdir: str, *, step: int | None = None):
+def load_model(workdir: str, *, step: int | None = None, mesh=None):
     """The model of a focal_jax run directory with the parameters of its latest checkpoint, or of checkpoint
     `step` (for evaluation, generation, export). ValueError names the saved steps when `step` is not one.
     Parameters are float32 whatever the run's `param_dtype` (a retrofit's frozen base as its `init_from` stores it,
-    not the bf16-rounded copy a `param_dtype='bfloat16'` run trained on)."""
+    not the bf16-rounded copy a `param_dtype='bfloat16'` run trained on).
+
+    mesh: a `jax.sharding.Mesh` with axes `('data', 'fsdp', 'tensor')` (`focal_jax.train.sharding.make_mesh`), for
+    a model larger than one device: the model is then built in host memory (`host_device`) and its parameters
+    placed on the mesh as the trainer places them (`place_model`). Run it under `jax.set_mesh(mesh)`, so that the
+    Pallas kernels run per shard. Default: built on the default device."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
-    model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
-    return load_pretrained(model, workdir, with_base=False, step=step)
+    if mesh is None:
+        model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
+        return load_pretrained(model, workdir, with_base=False, step=step)
+    with jax.default_device(host_device()):
+        model = init_model(run, base_step=meta.get("init_from_step"))
+        model = load_pretrained(model, workdir, with_base=False, step=step)
+    return place_model(model, mesh)
 
 
 def matmul_param_count(model, paths=None) -> int:

@@ -1,0 +1,144 @@
+"""Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` build the
+model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
+(`sharding.place_model`); perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
+then give what they give on one device. 8 fake CPU devices (conftest)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from focal_jax.convert import hf
+from focal_jax.eval import diagnostics, harness, perplexity, recall
+from focal_jax.train import trainer
+from focal_jax.train.sharding import make_mesh, tree_shardings
+from test_eval_perplexity import tiny_focus_run
+
+MESH = {"fsdp": 2, "tensor": 4}
+
+
+@pytest.fixture(scope="module")
+def focus_run(tmp_path_factory):
+    return tiny_focus_run(tmp_path_factory.mktemp("focus"))
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory):
+    return tiny_focus_run(tmp_path_factory.mktemp("dense"), attn={"kind": "dense"})
+
+
+def on(tree) -> set:
+    """The devices that hold the leaves of `tree`."""
+    return {device for x in jax.tree.leaves(tree) for device in x.devices()}
+
+
+def check_placed(model, mesh):
+    """Every array of `model` is on `mesh` with the trainer's sharding (`tree_shardings`); the q projection
+    `[d_model, heads * head_dim]` is split over fsdp x tensor, so that each device holds an eighth of it."""
+    state = nnx.to_pure_dict(nnx.state(model))
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, x), want in zip(leaves, jax.tree.leaves(tree_shardings(state, mesh)), strict=True):
+        assert isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh, path
+        assert x.sharding.spec == want.spec, path
+    q = state["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == P("fsdp", "tensor")
+    assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 4)
+
+
+def test_load_model_on_a_mesh_builds_in_host_memory_then_places_every_parameter(focus_run, monkeypatch):
+    """With the host device patched to CPU device 5 of 8, the model is built and its checkpoint restored there,
+    then every parameter is placed on the mesh; the values are those of the model loaded on one device."""
+    built_on = []
+    load_pretrained = trainer.load_pretrained
+
+    def spied(model, workdir, **kwargs):
+        model = load_pretrained(model, workdir, **kwargs)
+        built_on.append(on(nnx.state(model)))
+        return model
+
+    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[5])
+    monkeypatch.setattr(trainer, "load_pretrained", spied)
+    mesh = make_mesh(MESH)
+    placed = trainer.load_model(focus_run, mesh=mesh)
+    assert built_on == [{jax.devices()[5]}]
+    check_placed(placed, mesh)
+    assert on(nnx.state(placed)) == set(jax.devices())
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(placed)),
+                 nnx.to_pure_dict(nnx.state(trainer.load_model(focus_run))))
+
+
+def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkeypatch, tmp_path):
+    """`--mesh fsdp=2,tensor=4`: the soft and hard top-1 rows and the group diagnostics equal those on one
+    device; the evaluation runs under the mesh (the Pallas kernels' per-shard context) with the placed model."""
+    seen = []
+    topk_table = perplexity.topk_table
+
+    def spied(model, batches, **kwargs):
+        seen.append((model, dict(jax.sharding.get_abstract_mesh().shape)))
+        return topk_table(model, batches, **kwargs)
+
+    monkeypatch.setattr(perplexity, "topk_table", spied)
+    args = ["--workdir", focus_run, "--batches", "1", "--topk", "1"]
+    want = perplexity.main(args)
+    got = perplexity.main([*args, "--mesh", "fsdp=2,tensor=4", "--out", str(tmp_path / "ppl.json")])
+    assert [r["form"] for r in got] == ["soft", "hard"]
+    for row, row_want in zip(got, want):
+        assert row.keys() == row_want.keys()
+        for key in row:
+            if isinstance(row[key], (float, list)):
+                np.testing.assert_allclose(row[key], row_want[key], rtol=1e-5, err_msg=key)
+            else:
+                assert row[key] == row_want[key], key
+    assert seen[0][1] == {} and seen[1][1] == {"data": 1, **MESH}
+    check_placed(seen[1][0], make_mesh(MESH))
+    assert json.loads((tmp_path / "ppl.json").read_text())["settings"]["mesh"] == MESH
+
+    args = ["--workdir", focus_run, "--batches", "1", "--no-entropy"]
+    want, got = diagnostics.main(args), diagnostics.main([*args, "--mesh", "fsdp=2,tensor=-1"])
+    routing, routing_want = got["layers"][0]["routing"], want["layers"][0]["routing"]
+    assert routing["sizes"] == routing_want["sizes"] and routing["top_tokens"] == routing_want["top_tokens"]
+    np.testing.assert_allclose(routing["confidence"], routing_want["confidence"], rtol=1e-5)
+
+
+def test_recall_decodes_on_a_mesh_as_on_one_device(dense_run, monkeypatch, tmp_path):
+    """The recall command line with `--mesh tensor=8` (a KV-cache decode, the heads split over 8 devices) decodes
+    the same tokens as on one device, with the placed model."""
+    decoded = []
+    greedy_decode = recall.greedy_decode
+
+    def spied(model, prompts, **kwargs):
+        decoded.append((model, greedy_decode(model, prompts, **kwargs)))
+        return decoded[-1][1]
+
+    monkeypatch.setattr(recall, "greedy_decode", spied)
+    args = ["--workdir", dense_run, "--tasks", "needle", "--lengths", "160", "--n", "2"]
+    recall.main([*args, "--out", str(tmp_path / "one")])
+    recall.main([*args, "--mesh", "tensor=8", "--out", str(tmp_path / "mesh")])
+    (_, want), (model, got) = decoded
+    assert got == want and len(got) == 2 and all(len(tokens) > 1 for tokens in got)
+    q = nnx.to_pure_dict(nnx.state(model))["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    assert q.sharding.spec == P(None, "tensor") and len(q.sharding.device_set) == 8
+    record = json.loads((tmp_path / "mesh" / "recall.json").read_text())
+    assert record["mesh"] == {"tensor": 8}
+
+
+def test_a_hugging_face_directory_on_a_mesh(dense_run, tmp_path, monkeypatch):
+    """harness `--hf DIR --mesh ...` (`harness.hf_model`): the directory's tensors are read in host memory, then
+    placed; the logits equal those of `from_hf` on one device."""
+    directory = str(tmp_path / "hf")
+    hf.to_hf(trainer.load_model(dense_run), directory)
+    built_on = []
+    from_hf = hf.from_hf
+    monkeypatch.setattr(hf, "from_hf", lambda d: built_on.append(on(nnx.state(model := from_hf(d)))) or model)
+    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[3])
+    mesh = make_mesh(MESH)
+    model = harness.hf_model(directory, mesh=mesh)
+    assert built_on == [{jax.devices()[3]}]
+    check_placed(model, mesh)
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda m, x: m(x))(model, tokens)
+    np.testing.assert_allclose(got, from_hf(directory)(tokens), atol=1e-5)
