@@ -1219,7 +1219,7 @@ def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_di
     train(config, resumed, stop_after=1)
     with pytest.MonkeyPatch.context() as patch:  # the frozen parameters come from the checkpoint, not the seed
         build_model = trainer.build_model
-        patch.setattr(trainer, "build_model", lambda run, *, seed, base_step=None: build_model(run, seed=seed + 1))
+        patch.setattr(trainer, "build_model", lambda run, *, seed, **kwargs: build_model(run, seed=seed + 1, **kwargs))
         train(config, resumed)
     assert losses(resumed) == losses(straight) and sorted(losses(straight)) == [1, 2]
     # a run stored before 0.6.9 (trainable parameters only) resumes too
@@ -1417,6 +1417,42 @@ def test_a_run_builds_its_model_on_the_host_device_then_places_it(tmp_path, cach
     train(config(), str(tmp_path / "device5"))
     assert devices == [{jax.devices()[5]}] * 3  # the built model, the trainable and the frozen trees cast
     assert losses(str(tmp_path / "device5")) == losses(str(tmp_path / "device0"))
+
+
+def test_a_bfloat16_run_reads_a_hugging_face_directory_as_bfloat16(tmp_path, cache_dir, monkeypatch):
+    """With param_dtype='bfloat16' the trainer reads the directory's tensors as bf16, so the host never holds a
+    float32 copy of the base (280 GB for Llama-2-70B) before casting it. The run trains exactly as when it read
+    float32 and cast, the path before 0.6.26: same losses, with a Focus and a LoRA retrofit."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf_dir = str(tmp_path / "hf")
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(hf_dir, safe_serialization=True)
+    config = tiny(cache_dir, init_from=hf_dir, total_steps=2, param_dtype="bfloat16")
+    config.model = {"family": "hf"}
+    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
+    config.retrofit.lora = {"rank": 2, "alpha": 4.0, "targets": "qv"}
+    config.optim.trainable = "centroids"
+    read, from_hf = [], trainer.from_hf
+
+    def spied(directory, *, dtype=jnp.float32):
+        model = from_hf(directory, dtype=dtype)
+        read.append({x.dtype for x in jax.tree.leaves(nnx.state(model))})
+        return model
+
+    monkeypatch.setattr(trainer, "from_hf", spied)
+    train(config, str(tmp_path / "bf16"))
+    assert read == [{jnp.dtype(jnp.bfloat16)}]
+    monkeypatch.setattr(trainer, "from_hf", lambda directory, *, dtype: spied(directory))
+    train(config, str(tmp_path / "cast"))
+    assert read[1] == {jnp.dtype(jnp.float32)}
+    assert losses(str(tmp_path / "bf16")) == losses(str(tmp_path / "cast"))
+    # evaluation reads the base as float32 whatever the run's param_dtype (load_model)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(load_model(str(tmp_path / "bf16")), nnx.Param))} == {
+        jnp.dtype(jnp.float32)}
 
 
 def test_init_from_hugging_face_directory(tmp_path, cache_dir):

@@ -44,16 +44,16 @@ def log(message: str):
         print(message, flush=True)
 
 
-def build_model(run: RunConfig, *, seed: int, base_step: int | None = None):
+def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_dtype=jnp.float32):
     """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
-    holds: a Hugging Face directory, or a focal_jax run directory (the whole model of that run at its checkpoint
-    `base_step`, default the latest, rebuilt from its own base with its retrofits and trained parameters: e.g. phase
-    2 of a retrofit whose phase 1 started from a Hugging Face directory), its blocks rematerialised if
-    `model.remat`."""
+    holds: a Hugging Face directory (its tensors read as `hf_dtype`), or a focal_jax run directory (the whole model
+    of that run at its checkpoint `base_step`, default the latest, rebuilt from its own base with its retrofits and
+    trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging Face directory), its blocks
+    rematerialised if `model.remat`."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
             try:
-                model = from_hf(run.init_from)
+                model = from_hf(run.init_from, dtype=hf_dtype)
             except ValueError as e:  # an unsupported architecture, a missing or misshapen tensor
                 raise ConfigError(f"init_from={run.init_from!r}: {e}") from None
         else:
@@ -211,15 +211,16 @@ def host_device():
         return jax.local_devices()[0]
 
 
-def init_model(run: RunConfig, *, base_step: int | None = None):
-    """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`), then the
-    pretrained `init_from` workdir's parameters (of its checkpoint `base_step`, default the latest), then the
-    retrofits (Focal, Focus, then LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus
-    retrofit with `init='kmeans'` gets random centroids here: a new run fits them once its parameters are on the
-    mesh (`fit_kmeans_centroids`); a resume or a stored run's model reads them from a checkpoint."""
+def init_model(run: RunConfig, *, base_step: int | None = None, hf_dtype=jnp.float32):
+    """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`, a Hugging
+    Face directory's tensors read as `hf_dtype`), then the pretrained `init_from` workdir's parameters (of its
+    checkpoint `base_step`, default the latest), then the retrofits (Focal, Focus, then LoRA: `retrofit` hands a
+    `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus retrofit with `init='kmeans'` gets random centroids here:
+    a new run fits them once its parameters are on the mesh (`fit_kmeans_centroids`); a resume or a stored run's
+    model reads them from a checkpoint."""
     if base_step is not None:
         checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
-    model = build_model(run, seed=run.seed, base_step=base_step)
+    model = build_model(run, seed=run.seed, base_step=base_step, hf_dtype=hf_dtype)
     if run.init_from and run.family != "hf":
         if checkpoint.is_hf_directory(run.init_from):
             raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
@@ -675,8 +676,10 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     kmeans = any(kmeans_init(change) for change in run.retrofit)
     init_from_step = pinned_base_step(run, stored)
     host = host_device()
+    param_dtype = DTYPES[run.param_dtype]
     with jax.default_device(host):  # in host memory: no one accelerator need hold the model before the mesh does
-        model = init_model(run, base_step=init_from_step)
+        # (a Hugging Face directory read as param_dtype: a bf16 run never holds a float32 copy of its base)
+        model = init_model(run, base_step=init_from_step, hf_dtype=param_dtype)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -698,7 +701,6 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     flops_per_token = model_flops_per_token(model, frozen, run.data.seq_len)
     keep_float32 = routing_param_paths(model)
     del model
-    param_dtype = DTYPES[run.param_dtype]
     with jax.default_device(host):
         trainable, frozen = cast_floats(trainable, param_dtype), cast_floats(frozen, param_dtype)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainable))
