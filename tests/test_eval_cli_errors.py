@@ -158,3 +158,8 @@ def test_a_mesh_that_cannot_be_made_is_refused_before_the_run_loads(monkeypatch,
                 ("fsdp=-1,tensor=-1", "--mesh: mesh sizes must be >= 1, with at most one -1"),
                 ("tensor=0", "--mesh: mesh sizes must be >= 1")):
             _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", value], needle)
+    for main, required in commands[2:]:  # the decoding commands keep each batch whole: a data axis repeats the work
+        _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", "data=2,tensor=-1"],
+                     "--mesh: a data axis of size 2 (mesh {'data': 2, 'fsdp': 1, 'tensor': 4}) would repeat the same "
+                     "work on each of its devices: this command decodes each batch whole on every device; split the "
+                     "model with fsdp or tensor instead")

@@ -1,7 +1,8 @@
 """Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` build the
 model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
-(`sharding.place_model`); perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
-then give what they give on one device. 8 fake CPU devices (conftest)."""
+(`sharding.place_model`), and perplexity and diagnostics split each batch's rows over the data and fsdp axes; they,
+decoding (recall) and a Hugging Face directory (harness `--hf`) then give what they give on one device. 8 fake CPU
+devices (conftest)."""
 
 import json
 
@@ -72,12 +73,14 @@ def test_load_model_on_a_mesh_builds_in_host_memory_then_places_every_parameter(
 
 def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkeypatch, tmp_path):
     """`--mesh fsdp=2,tensor=4`: the soft and hard top-1 rows and the group diagnostics equal those on one
-    device; the evaluation runs under the mesh (the Pallas kernels' per-shard context) with the placed model."""
+    device; the evaluation runs under the mesh (the Pallas kernels' per-shard context) with the placed model and
+    each batch's rows split over fsdp. A batch size that the data x fsdp axes do not divide is refused before the
+    model loads."""
     seen = []
     topk_table = perplexity.topk_table
 
     def spied(model, batches, **kwargs):
-        seen.append((model, dict(jax.sharding.get_abstract_mesh().shape)))
+        seen.append((model, batches, dict(jax.sharding.get_abstract_mesh().shape)))
         return topk_table(model, batches, **kwargs)
 
     monkeypatch.setattr(perplexity, "topk_table", spied)
@@ -92,13 +95,17 @@ def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkey
                 np.testing.assert_allclose(row[key], row_want[key], rtol=1e-5, err_msg=key)
             else:
                 assert row[key] == row_want[key], key
-    assert seen[0][1] == {} and seen[1][1] == {"data": 1, **MESH}
-    check_placed(seen[1][0], make_mesh(MESH))
+    (_, _, outside), (model, batches, inside) = seen
+    assert outside == {} and inside == {"data": 1, **MESH}
+    check_placed(model, make_mesh(MESH))
+    inputs = batches[0]["inputs"]  # 8 rows, 4 on each device of the fsdp axis
+    assert inputs.sharding.spec == P(("data", "fsdp")) and inputs.addressable_shards[0].data.shape == (4, 32)
     assert json.loads((tmp_path / "ppl.json").read_text())["settings"]["mesh"] == MESH
 
     args = ["--workdir", focus_run, "--batches", "1", "--no-entropy"]
     want, got = diagnostics.main(args), diagnostics.main([*args, "--mesh", "fsdp=2,tensor=-1"])
     routing, routing_want = got["layers"][0]["routing"], want["layers"][0]["routing"]
+    assert routing["tokens"] == routing_want["tokens"] > 0
     assert routing["sizes"] == routing_want["sizes"] and routing["top_tokens"] == routing_want["top_tokens"]
     np.testing.assert_allclose(routing["confidence"], routing_want["confidence"], rtol=1e-5)
 
@@ -142,3 +149,13 @@ def test_a_hugging_face_directory_on_a_mesh(dense_run, tmp_path, monkeypatch):
     with jax.set_mesh(mesh):
         got = jax.jit(lambda m, x: m(x))(model, tokens)
     np.testing.assert_allclose(got, from_hf(directory)(tokens), atol=1e-5)
+
+
+def test_a_batch_the_mesh_cannot_split_is_refused_before_the_model_loads(focus_run, monkeypatch, capsys):
+    monkeypatch.setattr(diagnostics, "load_model", lambda *args, **kwargs: pytest.fail("loaded the model"))
+    for main in perplexity.main, diagnostics.main:
+        with pytest.raises(SystemExit) as info:
+            main(["--workdir", focus_run, "--mesh", "data=4,fsdp=2", "--batch-size", "6"])
+        assert info.value.code == 2
+        assert ("batch_size=6 must be a multiple of the data-parallel size 8 (mesh {'data': 4, 'fsdp': 2, "
+                "'tensor': 1})") in capsys.readouterr().err

@@ -9,7 +9,8 @@ import os
 MESH_AXES = ("data", "fsdp", "tensor")  # as focal_jax.train.sharding, which the command lines import only when asked
 MESH_HELP = ("split the model over this process's devices, e.g. tensor=8 (heads, MLP and vocabulary over 8 devices) "
              "or fsdp=2,tensor=4 (the embedding dimension too); axes data, fsdp, tensor, one size may be -1 (the "
-             "rest of the devices). Each batch is whole on every device. Default: one device")
+             "rest of the devices); data and fsdp split each batch's rows in perplexity and diagnostics, while the "
+             "decoding commands keep a batch whole on every device (and refuse data). Default: one device")
 
 
 def rope_ntk_factor(text: str) -> float:
@@ -43,17 +44,24 @@ def mesh_shape(text: str) -> dict:
     return shape
 
 
-def evaluation_mesh(parser: argparse.ArgumentParser, shape: dict | None):
-    """The `jax.sharding.Mesh` of a command's `--mesh` shape (None without one); a shape that does not fit the
-    devices is a usage error naming it and the device count."""
+def evaluation_mesh(parser: argparse.ArgumentParser, shape: dict | None, *, splits_rows: bool):
+    """The `jax.sharding.Mesh` of a command's `--mesh` shape (None without one). Usage errors: a shape that does not
+    fit the devices (naming it and the device count), and a 'data' axis for a command that keeps each batch whole
+    on every device (`splits_rows=False`, the decoding commands), where it would repeat the same work on every
+    device of the axis."""
     if shape is None:
         return None
     from focal_jax.train.sharding import make_mesh  # the training stack: only when a mesh is asked for
 
     try:
-        return make_mesh(shape)
+        mesh = make_mesh(shape)
     except ValueError as e:
         parser.error(f"--mesh: {e}")
+    if not splits_rows and mesh.shape["data"] > 1:
+        parser.error(f"--mesh: a data axis of size {mesh.shape['data']} (mesh {dict(mesh.shape)}) would repeat the "
+                     f"same work on each of its devices: this command decodes each batch whole on every device; "
+                     f"split the model with fsdp or tensor instead")
+    return mesh
 
 
 def on_mesh(mesh):

@@ -41,6 +41,7 @@ from focal_jax.nn.models import attention_layers, check_model
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint
 from focal_jax.train.config import check_config
+from focal_jax.train.sharding import check_batch_layout, shard_batch
 from focal_jax.train.trainer import load_model
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,27 +100,34 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
 
     batch_size: rows per batch; default the run's `batch_size`, scaled by trained / evaluated length so that a
     batch holds about as many tokens as in training (at least one row).
-    mesh: place the model's parameters on this mesh (`focal_jax.train.trainer.load_model`); evaluate it under
-    `jax.set_mesh(mesh)`.
+    mesh: place the model's parameters on this mesh (`focal_jax.train.trainer.load_model`) and split each batch's
+    rows over its 'data' and 'fsdp' axes (`focal_jax.train.sharding.shard_batch`; ValueError, before the model
+    loads, unless they divide the batch size); evaluate under `jax.set_mesh(mesh)`.
     """
     for name, value in (("n_batches", n_batches), ("seq_len", seq_len), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {name}={value!r}")
-    model = load_model(workdir, step=step, mesh=mesh)  # first: it names the saved steps when `step` is not one
+    checkpoint.require_step(workdir, step)  # first: it names the saved steps when `step` is not one
     step, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     trained = run.data.seq_len
     seq_len = seq_len or trained
     if batch_size is None:
         batch_size = max(1, run.batch_size * trained // seq_len)
+    if mesh is not None:
+        check_batch_layout(mesh, batch_size, process_count=1)
+    model = load_model(workdir, step=step, mesh=mesh)
     data_config = dataclasses.replace(run.data, seq_len=seq_len)
     try:  # the exact tokenizer the run trained with (its workdir copy, of either kind)
         data_config = dataclasses.replace(data_config, tokenizer=tokenizer_file(workdir))
     except FileNotFoundError:
         pass
     data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1)
-    return Run(model=model, tokenizer=data.tokenizer, batches=data.eval_batches(n_batches), seq_len=seq_len,
-               trained_seq_len=trained, step=step)
+    batches = data.eval_batches(n_batches)
+    if mesh is not None:
+        batches = [shard_batch(batch, mesh) for batch in batches]
+    return Run(model=model, tokenizer=data.tokenizer, batches=batches, seq_len=seq_len, trained_seq_len=trained,
+               step=step)
 
 
 def check_batch(batch, required=("inputs",), vocab_size: int | None = None, n_positions: int | None = None):
@@ -623,7 +631,7 @@ def main(argv=None) -> dict:
     for flag, path in (("--out", args.out), ("--png", args.png)):  # checked now, not after the evaluation
         if path and (problem := output_file_error(flag, path, make_folder=True)):
             parser.error(problem)
-    mesh = evaluation_mesh(parser, args.mesh)
+    mesh = evaluation_mesh(parser, args.mesh, splits_rows=True)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step, mesh=mesh)

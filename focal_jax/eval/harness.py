@@ -395,7 +395,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.output and (problem := output_file_error("--output", args.output, make_folder=False)):
         parser.error(problem)  # now, not after the evaluation
-    mesh = evaluation_mesh(parser, args.mesh)
+    mesh = evaluation_mesh(parser, args.mesh, splits_rows=False)
 
     import lm_eval
     from lm_eval.tasks import TaskManager
