@@ -14,11 +14,26 @@ Outside `shard_map` and without an Explicit mesh these are no-ops.
 
 import contextlib
 import functools
+import math
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+BATCH_AXES = ("data", "fsdp")  # the mesh axes that split a batch's rows (the trainer's `focal_jax.train.sharding`)
+
+
+def split_rows(x):
+    """`x [B, ...]`, inside a jitted function, constrained to have its rows split over the batch axes
+    (`BATCH_AXES`) of the mesh in context (`jax.set_mesh`) that have more than one device, when they divide B; as
+    it is otherwise (no mesh, no such axes, or a B they do not divide)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(axes))
 
 
 def varying_axes(*arrays) -> frozenset:

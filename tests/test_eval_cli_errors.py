@@ -138,8 +138,8 @@ def test_recall_with_every_cell_skipped_writes_json_and_no_plot(tmp_path, monkey
 
 
 def test_a_mesh_that_cannot_be_made_is_refused_before_the_run_loads(monkeypatch, capsys):
-    """`--mesh`: a malformed value, an axis outside data / fsdp / tensor, or sizes that do not fit the 8 devices
-    name the value, in every command, before anything loads."""
+    """`--mesh`: a malformed value, an axis outside data / fsdp / tensor, sizes that do not fit the 8 devices, or a
+    batch size that its data x fsdp axes do not divide name the value, in every command, before anything loads."""
     from focal_jax.eval import _cli, harness
     from focal_jax.train import sharding
 
@@ -158,8 +158,8 @@ def test_a_mesh_that_cannot_be_made_is_refused_before_the_run_loads(monkeypatch,
                 ("fsdp=-1,tensor=-1", "--mesh: mesh sizes must be >= 1, with at most one -1"),
                 ("tensor=0", "--mesh: mesh sizes must be >= 1")):
             _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", value], needle)
-    for main, required in commands[2:]:  # the decoding commands keep each batch whole: a data axis repeats the work
-        _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", "data=2,tensor=-1"],
-                     "--mesh: a data axis of size 2 (mesh {'data': 2, 'fsdp': 1, 'tensor': 4}) would repeat the same "
-                     "work on each of its devices: this command decodes each batch whole on every device; split the "
-                     "model with fsdp or tensor instead")
+    for main, required in commands[2:]:  # the decoding commands: their batch size is known before anything loads
+        flag = "--batch_size" if main is harness.main else "--batch-size"
+        _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", "data=2,fsdp=2,tensor=2", flag, "6"],
+                     f"{flag}=6 must be a multiple of 4, the data x fsdp size of --mesh {{'data': 2, 'fsdp': 2, "
+                     f"'tensor': 2}}, which split each batch's rows")

@@ -22,6 +22,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from focal_jax.data.tokenizer import train_tokenizer  # noqa: E402
 from focal_jax.eval.harness import (FocalJaxLM, cut_at_stop, generation_settings, padded_length,  # noqa: E402
@@ -373,8 +374,9 @@ def test_generate_until_keeps_the_end_of_a_long_prompt(model, tokenizer):
 
 
 def test_command_line_evaluates_a_hugging_face_directory_on_a_mesh(tokenizer, tmp_path, local_task, monkeypatch):
-    """`--hf DIR --mesh tensor=8`: the model is placed on the mesh (`harness.hf_model`) and lm_eval's scores, and
-    the log-likelihoods under them, equal those on one device."""
+    """`--hf DIR --mesh data=2,tensor=4`: the model is placed on the mesh (`harness.hf_model`), each batch's rows
+    are split over data (2 of the 4 on each device), and lm_eval's scores, and the log-likelihoods under them, equal
+    those on one device."""
     from focal_jax.convert.hf import to_hf
     from focal_jax.eval import harness
 
@@ -388,15 +390,20 @@ def test_command_line_evaluates_a_hugging_face_directory_on_a_mesh(tokenizer, tm
         f"dataset_kwargs:\n  data_files:\n    train: {tmp_path / 'mc.jsonl'}\n  cache_dir: {tmp_path / 'cache'}\n"
         "doc_to_text: 'Question: {{question}}\nAnswer:'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
         "metric_list:\n  - metric: acc\n")
-    models, scores = [], []
-    hf_model, loglikelihood = harness.hf_model, FocalJaxLM.loglikelihood
+    models, scores, rows = [], [], []
+    hf_model, loglikelihood, score_batch = harness.hf_model, FocalJaxLM.loglikelihood, harness._score_batch
+    monkeypatch.setattr(harness, "_score_batch", lambda *a: rows.append((out := score_batch(*a))[0]
+                                                                        .addressable_shards[0].data.shape) or out)
     monkeypatch.setattr(harness, "hf_model", lambda d, mesh=None: models.append(hf_model(d, mesh=mesh)) or models[-1])
     monkeypatch.setattr(FocalJaxLM, "loglikelihood",
                         lambda self, *a, **k: scores.append(loglikelihood(self, *a, **k)) or scores[-1])
     args = ["--hf", str(directory), "--tokenizer", tokenizer.path, "--tasks", "focal_jax_qa", "--include_path",
             str(local_task.parent), "--bootstrap_iters", "0", "--batch_size", str(BATCH)]
-    want, got = harness.main(args), harness.main([*args, "--mesh", "tensor=8"])
-    assert got["results"] == want["results"] and len(scores[1]) == 4
+    want = harness.main(args)
+    assert set(rows) == {(BATCH,)}
+    rows.clear()
+    got = harness.main([*args, "--mesh", "data=2,tensor=4"])
+    assert got["results"] == want["results"] and len(scores[1]) == 4 and set(rows) == {(BATCH // 2,)}
     np.testing.assert_allclose([s for s, _ in scores[1]], [s for s, _ in scores[0]], rtol=1e-5)
     q = nnx.to_pure_dict(nnx.state(models[1]))["layers"][0]["self_attn"]["q_proj"]["kernel"]
-    assert len(q.sharding.device_set) == 8 and q.sharding.spec[1] == "tensor"
+    assert len(q.sharding.device_set) == 8 and q.sharding.spec == P(None, "tensor")

@@ -1,6 +1,6 @@
 """Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` build the
 model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
-(`sharding.place_model`), and perplexity and diagnostics split each batch's rows over the data and fsdp axes; they,
+(`sharding.place_model`), and each batch's rows are split over the data and fsdp axes; perplexity, diagnostics,
 decoding (recall) and a Hugging Face directory (harness `--hf`) then give what they give on one device. 8 fake CPU
 devices (conftest)."""
 
@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from focal_jax.convert import hf
-from focal_jax.eval import diagnostics, harness, perplexity, recall
+from focal_jax.eval import decode, diagnostics, harness, perplexity, recall
 from focal_jax.train import trainer
 from focal_jax.train.sharding import make_mesh, tree_shardings
 from test_eval_perplexity import tiny_focus_run
@@ -111,25 +111,38 @@ def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkey
 
 
 def test_recall_decodes_on_a_mesh_as_on_one_device(dense_run, monkeypatch, tmp_path):
-    """The recall command line with `--mesh tensor=8` (a KV-cache decode, the heads split over 8 devices) decodes
-    the same tokens as on one device, with the placed model."""
-    decoded = []
-    greedy_decode = recall.greedy_decode
+    """The recall command line decodes (KV cache) the same tokens as on one device with `--mesh tensor=8` (the
+    heads split over 8 devices) and with `--mesh data=2,fsdp=2,tensor=2`, where the batch's rows are split over
+    data x fsdp: each device of a cache step holds 2 of its 8 rows."""
+    decoded, steps = [], []
+    greedy_decode, cached_steps = recall.greedy_decode, decode._cached_steps
 
     def spied(model, prompts, **kwargs):
         decoded.append((model, greedy_decode(model, prompts, **kwargs)))
         return decoded[-1][1]
 
+    def spied_steps(*args, **kwargs):
+        out = cached_steps(*args, **kwargs)
+        steps.append(out[0].addressable_shards[0].data.shape)  # the token buffer [rows, slots] on one device
+        return out
+
     monkeypatch.setattr(recall, "greedy_decode", spied)
-    args = ["--workdir", dense_run, "--tasks", "needle", "--lengths", "160", "--n", "2"]
+    monkeypatch.setattr(decode, "_cached_steps", spied_steps)
+    args = ["--workdir", dense_run, "--tasks", "needle", "--lengths", "160", "--n", "8"]
     recall.main([*args, "--out", str(tmp_path / "one")])
-    recall.main([*args, "--mesh", "tensor=8", "--out", str(tmp_path / "mesh")])
-    (_, want), (model, got) = decoded
-    assert got == want and len(got) == 2 and all(len(tokens) > 1 for tokens in got)
+    rows_alone = {shape[0] for shape in steps}
+    steps.clear()
+    recall.main([*args, "--mesh", "tensor=8", "--out", str(tmp_path / "tensor")])
+    rows_tensor = {shape[0] for shape in steps}
+    steps.clear()
+    recall.main([*args, "--mesh", "data=2,fsdp=2,tensor=2", "--out", str(tmp_path / "data")])
+    assert rows_alone == rows_tensor == {8} and {shape[0] for shape in steps} == {2}
+    (_, want), (model, got), (_, got_data) = decoded
+    assert got == want == got_data and len(got) == 8 and all(len(tokens) > 1 for tokens in got)
     q = nnx.to_pure_dict(nnx.state(model))["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == P(None, "tensor") and len(q.sharding.device_set) == 8
-    record = json.loads((tmp_path / "mesh" / "recall.json").read_text())
-    assert record["mesh"] == {"tensor": 8}
+    assert json.loads((tmp_path / "data" / "recall.json").read_text())["mesh"] == {"data": 2, "fsdp": 2,
+                                                                                   "tensor": 2}
 
 
 def test_a_hugging_face_directory_on_a_mesh(dense_run, tmp_path, monkeypatch):

@@ -7,10 +7,10 @@ import math
 import os
 
 MESH_AXES = ("data", "fsdp", "tensor")  # as focal_jax.train.sharding, which the command lines import only when asked
-MESH_HELP = ("split the model over this process's devices, e.g. tensor=8 (heads, MLP and vocabulary over 8 devices) "
-             "or fsdp=2,tensor=4 (the embedding dimension too); axes data, fsdp, tensor, one size may be -1 (the "
-             "rest of the devices); data and fsdp split each batch's rows in perplexity and diagnostics, while the "
-             "decoding commands keep a batch whole on every device (and refuse data). Default: one device")
+MESH_HELP = ("place the model on a mesh of this process's devices: e.g. tensor=8 (heads, MLP and vocabulary split "
+             "over 8 devices), fsdp=2,tensor=4 (the embedding dimension too), data=8 (the parameters whole on every "
+             "device); data and fsdp split each batch's rows. Axes data, fsdp, tensor; one size may be -1 (the rest "
+             "of the devices). Default: one device")
 
 
 def rope_ntk_factor(text: str) -> float:
@@ -44,23 +44,21 @@ def mesh_shape(text: str) -> dict:
     return shape
 
 
-def evaluation_mesh(parser: argparse.ArgumentParser, shape: dict | None, *, splits_rows: bool):
+def evaluation_mesh(parser: argparse.ArgumentParser, shape: dict | None, rows: tuple[str, int] | None = None):
     """The `jax.sharding.Mesh` of a command's `--mesh` shape (None without one). Usage errors: a shape that does not
-    fit the devices (naming it and the device count), and a 'data' axis for a command that keeps each batch whole
-    on every device (`splits_rows=False`, the decoding commands), where it would repeat the same work on every
-    device of the axis."""
+    fit the devices (naming it and the device count), and, given `rows` = (its flag, the command's batch size), a
+    batch size that the mesh's data x fsdp axes, which split each batch's rows, do not divide."""
     if shape is None:
         return None
-    from focal_jax.train.sharding import make_mesh  # the training stack: only when a mesh is asked for
+    from focal_jax.train.sharding import data_parallel_size, make_mesh  # the training stack: only when asked for
 
     try:
         mesh = make_mesh(shape)
     except ValueError as e:
         parser.error(f"--mesh: {e}")
-    if not splits_rows and mesh.shape["data"] > 1:
-        parser.error(f"--mesh: a data axis of size {mesh.shape['data']} (mesh {dict(mesh.shape)}) would repeat the "
-                     f"same work on each of its devices: this command decodes each batch whole on every device; "
-                     f"split the model with fsdp or tensor instead")
+    if rows is not None and rows[1] % data_parallel_size(mesh):
+        parser.error(f"{rows[0]}={rows[1]} must be a multiple of {data_parallel_size(mesh)}, the data x fsdp size of "
+                     f"--mesh {dict(mesh.shape)}, which split each batch's rows")
     return mesh
 
 

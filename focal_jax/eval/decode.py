@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from focal_jax._axes import auto_mesh, onto_auto_mesh
+from focal_jax._axes import auto_mesh, onto_auto_mesh, split_rows
 from focal_jax._validation import check_int
 from focal_jax.nn.attention import check_decodable
 from focal_jax.nn.generate import _bucket, _bucket_floor, init_cache
@@ -125,6 +125,7 @@ def _full_steps(graphdef, state, tokens, lengths, produced, finished, eos_id, li
     """Up to `n_steps` greedy steps, each a full forward of `tokens [B, S]` (row i: its `lengths[i] + produced[i]`
     tokens, then padding in a segment of its own)."""
     model = nnx.merge(graphdef, state)
+    tokens = split_rows(tokens)  # (under a mesh with data / fsdp axes: data-parallel decoding)
     b, s = tokens.shape
     slots = jnp.arange(s)
     positions = jnp.broadcast_to(slots, (b, s))
@@ -146,6 +147,7 @@ def _cached_prefill(graphdef, state, tokens, lengths, *, prefill):
     """An empty KV cache of `S` slots filled with the first `prefill` tokens of every row (all prompt tokens), and
     the greedy token at slot `prefill` written for the rows whose prompt ends there."""
     model = nnx.merge(graphdef, state)
+    tokens = split_rows(tokens)
     cache = init_cache(model, tokens.shape[0], tokens.shape[1])
     last = jnp.full((tokens.shape[0], 1), prefill - 1)
     logits, cache = model(tokens[:, :prefill], cache=cache, logits_at=last)  # [B, 1, vocab], not [B, prefill, vocab]
@@ -159,6 +161,7 @@ def _cached_steps(graphdef, state, tokens, cache, lengths, produced, finished, e
     """Up to `n_steps` single-token steps through the cache: every row feeds slot `cache['index']` (a prompt token
     or its last generated one); rows past their prompt write the greedy token at the next slot."""
     model = nnx.merge(graphdef, state)
+    tokens = split_rows(tokens)
 
     def step(tokens, cache, produced, finished):
         slot = cache["index"]

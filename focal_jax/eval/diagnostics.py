@@ -631,7 +631,7 @@ def main(argv=None) -> dict:
     for flag, path in (("--out", args.out), ("--png", args.png)):  # checked now, not after the evaluation
         if path and (problem := output_file_error(flag, path, make_folder=True)):
             parser.error(problem)
-    mesh = evaluation_mesh(parser, args.mesh, splits_rows=True)
+    mesh = evaluation_mesh(parser, args.mesh)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step, mesh=mesh)

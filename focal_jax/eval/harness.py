@@ -45,6 +45,7 @@ except ModuleNotFoundError as error:
                               "pip install 'focal_jax[eval]' (or pip install lm_eval)", name="lm_eval") from None
 from tqdm import tqdm
 
+from focal_jax._axes import split_rows
 from focal_jax._validation import check_int
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error
@@ -106,6 +107,7 @@ def pack_rows(rows: list[tuple[list[int], list[int], int]], length: int, batch_s
 def _score_batch(graphdef, state, batch):
     """Per row: sum of log p(target) over the scored positions, and whether every scored target is the argmax."""
     model = nnx.merge(graphdef, state)
+    batch = jax.tree.map(split_rows, batch)  # (under a mesh with data / fsdp axes: data-parallel scoring)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     target_logp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
@@ -395,7 +397,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.output and (problem := output_file_error("--output", args.output, make_folder=False)):
         parser.error(problem)  # now, not after the evaluation
-    mesh = evaluation_mesh(parser, args.mesh, splits_rows=False)
+    mesh = evaluation_mesh(parser, args.mesh, rows=("--batch_size", args.batch_size))
 
     import lm_eval
     from lm_eval.tasks import TaskManager

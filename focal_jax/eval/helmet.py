@@ -1190,7 +1190,7 @@ def main(argv=None) -> dict:
     for flag, path in (("--out", out), ("--png", png)):  # checked now, not after the evaluation
         if problem := output_file_error(flag, path, make_folder=True):
             parser.error(problem)
-    mesh = evaluation_mesh(parser, args.mesh, splits_rows=False)
+    mesh = evaluation_mesh(parser, args.mesh, rows=("--batch-size", args.batch_size))
     try:
         specs = resolve_datasets(args.datasets)
         _check_lengths(args.lengths)

@@ -357,7 +357,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.out and (problem := output_file_error("--out", args.out, make_folder=True)):
         parser.error(problem)  # now, not after the evaluation
-    mesh = evaluation_mesh(parser, args.mesh, splits_rows=True)
+    mesh = evaluation_mesh(parser, args.mesh)
     try:
         run = load_run(args.workdir, n_batches=args.batches, seq_len=args.seq_len, batch_size=args.batch_size,
                        step=args.step, mesh=mesh)

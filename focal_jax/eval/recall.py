@@ -364,7 +364,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if args.out and (problem := output_dir_error("--out", os.path.expanduser(args.out))):
         parser.error(problem)  # now, not after the evaluation
-    mesh = evaluation_mesh(parser, args.mesh, splits_rows=False)
+    mesh = evaluation_mesh(parser, args.mesh, rows=("--batch-size", args.batch_size))
 
     workdir = os.path.abspath(os.path.expanduser(args.workdir))
     tasks = [t for t in args.tasks.split(",") if t]

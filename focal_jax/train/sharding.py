@@ -14,10 +14,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from focal_jax._axes import BATCH_AXES
 from focal_jax.train.optimizer import path_str
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
 
 # (regex on the parameter path, logical name of each dimension). LLaMA family and GPT-2 names.
 LOGICAL_AXES = (
