@@ -530,6 +530,30 @@ def test_kmeans_centroids_compile_one_forward_for_all_layers_and_report_each_fit
                         f"{largest:.0%} of them")
 
 
+def test_kmeans_centroids_in_a_compute_dtype_see_the_inputs_of_a_model_cast_to_it():
+    """`kmeans_centroids(..., dtype=jnp.bfloat16)` (the trainer passes its compute_dtype) fits the centroids that a
+    model whose parameters were cast to bf16, all but the routing ones (as a training step casts them), gets with
+    the forward in its own dtypes; those differ from the float32 forward's. The stored parameters keep their dtype;
+    a dtype that is not a floating type is named."""
+    from focal_jax.nn.retrofit import kmeans_centroids
+
+    make = lambda: retrofit(GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4),
+                                 rngs=nnx.Rngs(0)), FocusConfig(groups=3, dim=8, window=2), rngs=1)
+    batches = [_tokens(12, seed=s) % 50 for s in (1, 2)]
+    fitted = kmeans_centroids(make(), batches, key=jax.random.key(0), dtype=jnp.bfloat16)
+    cast = make()
+    for _, variable in nnx.to_flat_state(nnx.state(cast, nnx.All(nnx.Param, nnx.Not(Centroid)))):
+        variable.set_value(variable.get_value().astype(jnp.bfloat16))
+    by_hand = kmeans_centroids(cast, batches, key=jax.random.key(0))
+    in_float32 = kmeans_centroids(make(), batches, key=jax.random.key(0))
+    for a, b, c in zip(_attention(fitted), _attention(by_hand), _attention(in_float32)):
+        np.testing.assert_allclose(a.centroids[...], b.centroids[...], atol=1e-6)
+        assert not np.allclose(a.centroids[...], c.centroids[...], atol=1e-4)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(fitted))} == {jnp.dtype(jnp.float32)}
+    with pytest.raises(ValueError, match="dtype must be a floating-point dtype.*got dtype=<class 'jax.numpy.int32'>"):
+        kmeans_centroids(make(), batches, key=jax.random.key(0), dtype=jnp.int32)
+
+
 def test_kmeans_init_is_asked_for_by_name():
     """`init='kmeans'` needs `init_batches`, and `init_batches` and `progress` need it (which then reports the
     fit of the model's one layer); an unknown init is named."""

@@ -1146,6 +1146,7 @@ def test_a_kmeans_retrofit_fits_on_the_parameters_placed_on_the_mesh(tmp_path, c
     def spied(model, batches, **kwargs):
         seen["q_proj"] = model.layers[0].self_attn.q_proj.kernel[...].sharding
         seen["inputs"] = batches[0]["inputs"].sharding
+        seen["dtype"] = kwargs["dtype"]  # the forward in the run's compute_dtype
         return fit(model, batches, **kwargs)
 
     monkeypatch.setattr(trainer, "kmeans_centroids", spied)
@@ -1158,7 +1159,8 @@ def test_a_kmeans_retrofit_fits_on_the_parameters_placed_on_the_mesh(tmp_path, c
         started[name] = [np.asarray(layer.self_attn.centroids[...]) for layer in model.layers]
         if name == "split":
             assert seen["q_proj"].spec == P("fsdp", "tensor") and len(seen["q_proj"].device_set) == 8
-            assert seen["inputs"].spec[0] == ("data", "fsdp")
+            assert seen["inputs"].spec[0] == ("data", "fsdp") and seen["dtype"] == jnp.float32 == jnp.dtype(
+                config.compute_dtype)
     for a, b in zip(started["split"], started["data"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
 

@@ -534,7 +534,7 @@ def _unit_rows(x):
     return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress=None):
+def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress=None, dtype=None):
     """FOCUS_SPEC OQ-6's optional initialisation (as the Routing Transformer's): set each Focus layer's centroids to
     the k-means of its routing inputs projected by its `w_g`, `x W_g` at the real tokens of `batches`, in place.
 
@@ -554,12 +554,16 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
       iters: Lloyd iterations.
       progress: None, or a function called with one line per layer once its centroids are fitted (how many
         points, how well the centroids fit them, the largest cluster's share), e.g. `print`.
+      dtype: None (the forward runs in the parameters' own dtypes), or the dtype the forward casts every floating
+        parameter to but the `Centroid` and `Temperature` ones, as a training step does with its `compute_dtype`
+        (`focal_jax.train.trainer.make_steps`): the routing inputs are then those the first step sees.
 
     Returns:
       `model`.
 
     Raises:
-      ValueError: a model without Focus layers, no batches, or fewer real tokens than groups.
+      ValueError: a model without Focus layers, no batches, fewer real tokens than groups, or a `dtype` that is not
+        a floating dtype.
     """
     layers_of = lambda model: [attn for _, attn in attention_modules(model) if attn.config.kind in FOCUS_KINDS]
     layers = layers_of(model)
@@ -568,11 +572,14 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
     batches = [b if isinstance(b, dict) else {"inputs": b} for b in batches]
     if not batches:
         raise ValueError("kmeans_centroids needs at least one batch of tokens")
-    graphdef, _ = nnx.split(model)
+    dtype = None if dtype is None else float_dtype(dtype)
+    kept = (Centroid, Temperature)
+    graphdef, _, _ = nnx.split(model, kept, ...)
+    cast = lambda x: x.astype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
 
     @jax.jit
-    def routing_inputs(state, batch, layer_index):  # Focus layer `layer_index`'s x W_g [B, T, d_g]
-        recording = nnx.merge(graphdef, state)
+    def routing_inputs(routing, rest, batch, layer_index):  # Focus layer `layer_index`'s x W_g [B, T, d_g]
+        recording = nnx.merge(graphdef, routing, jax.tree.map(cast, rest))
         if getattr(recording.config, "remat", False):  # (records hold the outer trace's values only)
             recording.config = dataclasses.replace(recording.config, remat=False)
         with record_attention() as records:
@@ -585,7 +592,7 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
     reals = [np.ones(np.shape(batch["inputs"]), bool) if batch.get("segment_ids") is None
              else _on_host(batch["segment_ids"]) != 0 for batch in batches]  # [B, T] each: not padding
     for layer_index, (attn, layer_key) in enumerate(zip(layers, jax.random.split(key, len(layers)))):
-        points = [_on_host(routing_inputs(nnx.state(model), batch, layer_index))[real]
+        points = [_on_host(routing_inputs(*nnx.state(model, kept, ...), batch, layer_index))[real]
                   for batch, real in zip(batches, reals)]
         c, points = attn.config, np.concatenate(points)
         centroids = kmeans(points, c.focus_groups, key=layer_key, iters=iters, spherical=c.focus_normalize)

@@ -232,14 +232,16 @@ def init_model(run: RunConfig, *, base_step: int | None = None, hf_dtype=jnp.flo
     return model
 
 
-def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int) -> dict:
+def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int,
+                         compute_dtype=jnp.float32) -> dict:
     """`trainable` (placed on the mesh) with each Focus layer's centroids replaced by the k-means of its routing
-    inputs on `batch` (a global batch, `shard_batch`), as `retrofit.kmeans_centroids` fits them: forward passes of
-    the sharded parameters in their own dtype (`param_dtype`), so k-means fits any model the run can train. Each new
-    centroid array keeps its leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it
-    under the run's mesh."""
+    inputs on `batch` (a global batch, `shard_batch`), as `retrofit.kmeans_centroids` fits them: sharded forward
+    passes with the parameters cast to `compute_dtype` (but the routing ones, as in a training step), so k-means fits
+    any model the run can train, on the routing inputs its first step sees. Each new centroid array keeps its
+    leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it under the run's mesh."""
     model = nnx.merge(graphdef, trainable, frozen)
-    kmeans_centroids(model, [batch], key=jax.random.fold_in(jax.random.key(seed), KMEANS_KEY), progress=log)
+    kmeans_centroids(model, [batch], key=jax.random.fold_in(jax.random.key(seed), KMEANS_KEY), progress=log,
+                     dtype=compute_dtype)
     fitted = select_params(nnx.to_pure_dict(nnx.state(model)), trainable)
 
     def placed(path, old, new):
@@ -722,7 +724,8 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         data_iter.set_state(start)
         log(f"retrofit: k-means centroids from the first batch ({run.batch_size} x {run.data.seq_len} tokens)")
         with jax.set_mesh(mesh):
-            trainable = fit_kmeans_centroids(graphdef, trainable, frozen, first, seed=run.seed)
+            trainable = fit_kmeans_centroids(graphdef, trainable, frozen, first, seed=run.seed,
+                                             compute_dtype=DTYPES[run.compute_dtype])
     opt_sharding = tree_shardings(jax.eval_shape(tx.init, trainable), mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_sharding)(trainable)
 
