@@ -1221,7 +1221,8 @@ def test_a_run_from_scratch_with_frozen_parameters_saves_them(tmp_path, cache_di
     train(config, resumed, stop_after=1)
     with pytest.MonkeyPatch.context() as patch:  # the frozen parameters come from the checkpoint, not the seed
         build_model = trainer.build_model
-        patch.setattr(trainer, "build_model", lambda run, *, seed, **kwargs: build_model(run, seed=seed + 1, **kwargs))
+        patch.setattr(trainer, "build_model",
+                      lambda run, *, seed, **kwargs: build_model(run, seed=seed + 1, **kwargs))
         train(config, resumed)
     assert losses(resumed) == losses(straight) and sorted(losses(straight)) == [1, 2]
     # a run stored before 0.6.9 (trainable parameters only) resumes too

@@ -236,7 +236,7 @@ def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *
                          compute_dtype=jnp.float32) -> dict:
     """`trainable` (placed on the mesh) with each Focus layer's centroids replaced by the k-means of its routing
     inputs on `batch` (a global batch, `shard_batch`), as `retrofit.kmeans_centroids` fits them: sharded forward
-    passes with the parameters cast to `compute_dtype` (but the routing ones, as in a training step), so k-means fits
+    passes with the parameters cast to `compute_dtype` (all but the routing ones, as in a training step): k-means fits
     any model the run can train, on the routing inputs its first step sees. Each new centroid array keeps its
     leaf's dtype and sharding; in a multi-process run, all take process 0's fit. Call it under the run's mesh."""
     model = nnx.merge(graphdef, trainable, frozen)
@@ -264,19 +264,16 @@ def load_model(workdir: str, *, step: int | None = None, mesh=None):
     not the bf16-rounded copy a `param_dtype='bfloat16'` run trained on).
 
     mesh: a `jax.sharding.Mesh` with axes `('data', 'fsdp', 'tensor')` (`focal_jax.train.sharding.make_mesh`), for
-    a model larger than one device: the model is then built in host memory (`host_device`) and its parameters
-    placed on the mesh as the trainer places them (`place_model`). Run it under `jax.set_mesh(mesh)`, so that the
-    Pallas kernels run per shard. Default: built on the default device."""
+    evaluation on several devices (a model larger than one, or data-parallel): the model is then built in host
+    memory (`host_device`) and its parameters placed on the mesh as the trainer places them (`place_model`). Run it
+    under `jax.set_mesh(mesh)`, so that the Pallas kernels run per shard. Default: built on the default device."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
-    if mesh is None:
+    with contextlib.nullcontext() if mesh is None else jax.default_device(host_device()):
         model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
-        return load_pretrained(model, workdir, with_base=False, step=step)
-    with jax.default_device(host_device()):
-        model = init_model(run, base_step=meta.get("init_from_step"))
         model = load_pretrained(model, workdir, with_base=False, step=step)
-    return place_model(model, mesh)
+    return model if mesh is None else place_model(model, mesh)
 
 
 def matmul_param_count(model, paths=None) -> int:
