@@ -18,6 +18,8 @@ Lengths are padded to a few buckets (8, 10, 12, 14, 16, 20, 24, ...: four per oc
 rows, so that jit compiles once per bucket, not once per prompt. Prompts are sorted by length before batching.
 Greedy choices do not depend on the stopping rule, so stopping only cuts the output: `eos_id` is checked on the
 device (a batch ends as soon as every row has emitted it), `stop` on the host after every chunk of 16 steps.
+Under a mesh (`jax.set_mesh`) whose 'data' / 'fsdp' axes divide the batch, each batch's rows are split over them
+(data-parallel decoding); the model's parameters stay where they are placed.
 
 Example:
   >>> from flax import nnx
