@@ -2,6 +2,7 @@
 
     python -m focal_jax.bench attention [--lengths 2048 4096 8192] [--repeats 7] [--block-size N]
                                         [--skip-soft-above 8192] [--budget-s 240] [--heads 8] [--sinks 4 ...]
+                                        [--backward]
     python -m focal_jax.bench train [--repeats 5] [--skip-124m]
     python -m focal_jax.bench train --size 400M [--batch 8] [--seq-len 2048] [--remat]   (for a GPU / TPU)
     python -m focal_jax.bench train --size 400M --compile-for-h200     (no device: in .venv-compile, JAX_PLATFORMS=cpu)
@@ -58,14 +59,16 @@ dense causal attention, Focal (t = 0.4), Focus soft (K = 8, w = 128, gate 'paper
 (``impl='decomposed'``, K = 8, w = 128, top-1 membership from ``sinkhorn(routing_scores(h))`` on structured random
 hidden states, so groups are as (im)balanced as Sinkhorn leaves them; ``max_groups=1``, and the same call without it,
 whose group-sorted arrays hold K * T entries, and with an attention sink of 4 tokens (``--sinks``: of each size given),
-without segment ids and with one segment, which gathers each query's sink keys (``focal_jax.attention.sink``, 16 at a
-time), as rows of their own), plus the routing itself (``routing_scores`` + ``sinkhorn``) as its own row.
+without segment ids (a slice of the row's first keys) and with one segment (the per-document path: rows sorted by
+segment, blocks of 16 queries; ``focal_jax.attention.sink``), as rows of their own), plus the routing itself
+(``routing_scores`` + ``sinkhorn``) as its own row. ``--backward`` times the forward + backward of every row instead
+(the gradients of ``sum(out)`` with respect to q, k and v; of h, W_g and the centroids for the routing).
 ``jax.nn.dot_product_attention`` (XLA, causal) is timed too, as a baseline from outside the library: it shows whether
 "dense" is a fair denominator. Columns:
 
-* time: median of ``--repeats`` jitted forward calls after one warm-up call, ``block_until_ready``. The calls of one
-  length are timed round-robin (one call of each per round), so load drift on a shared machine hits all alike;
-  after 3 rounds, rounds stop once they took ``--budget-s`` seconds (stderr says so);
+* time: median of ``--repeats`` jitted forward (``--backward``: forward + backward) calls after one warm-up call,
+  ``block_until_ready``. The calls of one length are timed round-robin (one call of each per round), so load drift on
+  a shared machine hits all alike; after 3 rounds, rounds stop once they took ``--budget-s`` seconds (stderr says so);
 * speedup: dense time / time;
 * theoretical: 1 / pair fraction, pair fraction = allowed pairs / causal pairs of the hard mask (counted per group,
   without a [T, T] mask); 1 for dense, Focal and Focus soft, which compute every causal pair;
@@ -140,7 +143,7 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
         top1.extra, top1.membership))
     # The same top-1 Focus with an attention sink: the fast path plus set C (each document's first tokens), merged
     # outside it (`focal_jax.attention.sink`); without segment ids its keys are a slice, with them (here one segment,
-    # so the pairs are the same) they are gathered per query.
+    # so the pairs are the same) the rows are sorted by segment and read in blocks of queries.
     one_segment = jax.numpy.zeros(g.shape[:2], jax.numpy.int32)
     sinks = {}  # variant name: its sink
     for sink in args.sinks:
@@ -164,6 +167,9 @@ def _entries(seq_len: int, args: argparse.Namespace) -> list[Entry]:
         focal = next(i for i, e in enumerate(entries) if e.name.startswith("focal"))
         entries.insert(focal + 1, Entry(SOFT, None, note=f"skipped: T > --skip-soft-above={args.skip_soft_above}"))
     entries.append(Entry(ROUTING, _inputs.route, (x.h, x.w_g, x.centroids), pair_fraction=None))
+    if args.backward:
+        for entry in entries:
+            entry.fn = None if entry.fn is None else _sum_grad(entry.fn)
     return entries
 
 
@@ -289,19 +295,21 @@ def _group_sizes(membership: Any) -> str:
 
 def run_attention(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``attention`` subcommand: prints the header and one markdown table covering every length."""
-    _print_header(f"attention (B=1, H={args.heads}, D={HEAD_DIM}, float32, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, "
-                  f"top-1, repeats={args.repeats}, block_size={args.block_size or 'library default'})", argv)
+    _print_header(f"attention{' forward + backward' if args.backward else ''} (B=1, H={args.heads}, D={HEAD_DIM}, "
+                  f"float32, K={_inputs.N_GROUPS}, w={_inputs.WINDOW}, top-1, repeats={args.repeats}, "
+                  f"block_size={args.block_size or 'library default'})", argv)
     rows, results = [], {}
     for seq_len in args.lengths:
         _log(f"T={seq_len} ...")
         length_rows, results[seq_len] = bench_length(seq_len, args)
         rows += length_rows
     print(_inputs.markdown_table(HEADERS, rows))
-    targets = target_lines(results)
+    targets = [] if args.backward else target_lines(results)  # (the targets are the forward's)
     if targets:
         print("\nTargets (issue 2, section 4):\n" + "\n".join(targets))
-    print("\nForward only, jitted, median after one warm-up, timed round-robin. The machine is shared and noisy: "
-          "compare ratios within one run, not absolute times across runs.")
+    print(f"\n{'Forward + backward' if args.backward else 'Forward only'}, jitted, median after one warm-up, timed "
+          f"round-robin. The machine is shared and noisy: compare ratios within one run, not absolute times across "
+          f"runs.")
     return 0
 
 
@@ -944,6 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--heads", type=_positive_int, default=8, help="attention heads (head_dim 64)")
     attn.add_argument("--sinks", type=_positive_int, nargs="+", default=list(SINKS),
                       help="attention sinks of the top-1 sink rows (each without and with segment ids)")
+    attn.add_argument("--backward", action="store_true",
+                      help="time forward + backward (the gradients of sum(out)) instead of the forward")
     attn.add_argument("--seed", type=int, default=0)
     attn.set_defaults(run=run_attention)
     train = sub.add_parser("train", help="tokens/s of the train step: quickstart model per attention kind, GPT-2 124M")

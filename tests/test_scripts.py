@@ -34,6 +34,27 @@ def test_bench_prints_every_variant(capsys):
     assert all(row.split("|")[3].strip() not in ("", "-") for row in rows)  # every row was timed
 
 
+def test_bench_attention_backward_times_the_gradients(capsys, monkeypatch):
+    """`--backward`: every row (the routing's too) compiles and times the gradients of sum(out) with respect to its
+    first three arguments (q, k, v; h, W_g, centroids), and the report says so and prints no forward targets."""
+    compiled, compile_jit = [], _inputs.compile_jit
+
+    def spied(fn, *args):
+        compiled.append(jax.eval_shape(fn, *args))
+        return compile_jit(fn, *args)
+
+    monkeypatch.setattr(_inputs, "compile_jit", spied)
+    assert bench.main(["attention", "--lengths", "128", "--repeats", "1", "--heads", "2", "--sinks", "20",
+                       "--backward"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 128 ")]
+    assert len(rows) == len(compiled) == 10 and all(row.split("|")[3].strip() not in ("", "-") for row in rows)
+    assert all(isinstance(shapes, tuple) and len(shapes) == 3 for shapes in compiled)
+    assert compiled[0][0].shape == (1, 128, 2, bench.HEAD_DIM)  # d/dq of dense attention
+    assert "## attention forward + backward (B=1" in out and "Forward + backward, jitted" in out
+    assert "Targets" not in out
+
+
 def test_bench_attention_keeps_its_rows_in_order_when_soft_is_skipped(capsys):
     """Focus soft skipped (T > --skip-soft-above) keeps its row where it is when it runs, after focal's."""
     assert bench.main(["attention", "--lengths", "128", "--repeats", "1", "--heads", "1",
