@@ -55,12 +55,12 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
     projected = h.astype(jnp.float32) @ w_g.astype(jnp.float32)
     centroids = centroids.astype(jnp.float32)
     if normalize:
-        projected, centroids = _unit_rows(projected), _unit_rows(centroids)
+        projected, centroids = unit_rows(projected), unit_rows(centroids)
     return projected @ centroids.T / tau
 
 
-def _unit_rows(x):
-    """`x / max(|x|, 1e-6)` row-wise, with a finite gradient at a zero row (that of `jnp.linalg.norm` is NaN there,
+def unit_rows(x):
+    """`x / max(|x|, 1e-6)` row-wise (`[..., d]` -> `[..., d]`), with a finite gradient at a zero row (that of `jnp.linalg.norm` is NaN there,
     and a zero input row or centroid would fill the whole router's gradient with NaN)."""
     return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
 

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax._validation import plain_numbers
+from focal_jax.attention.focus import unit_rows
 from focal_jax.nn.attention import (CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig,
                                     record_attention)
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
@@ -478,7 +479,7 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
     if points.ndim != 2 or points.shape[0] < k:
         raise ValueError(f"k-means of {k} centroids needs points [N >= {k}, d], got shape {points.shape}")
     if spherical:
-        points = _unit_rows(points)
+        points = unit_rows(points)
     distances = functools.partial(_distances, points, spherical=spherical)
     keys = jax.random.split(key, k)
     centroids = jnp.zeros((k, points.shape[1]), jnp.float32).at[0].set(
@@ -494,7 +495,7 @@ def kmeans(points, k: int, *, key, iters: int = KMEANS_ITERS, spherical: bool = 
         sums = jax.ops.segment_sum(points, assign, num_segments=k)
         counts = jax.ops.segment_sum(jnp.ones(points.shape[0]), assign, num_segments=k)[:, None]
         means = sums / jnp.maximum(counts, 1.0)
-        means = _unit_rows(means) if spherical else means
+        means = unit_rows(means) if spherical else means
         return jnp.where(counts > 0, means, centroids)
 
     return jax.lax.fori_loop(0, iters, lloyd, centroids)
@@ -513,7 +514,7 @@ def _fit_summary(points, centroids, *, spherical: bool) -> str:
     """How well `centroids [k, d]` fit `points [N, d]`, in words: the mean cosine (`spherical`) or squared distance
     to the nearest centroid, and the largest cluster's share of the points."""
     points = jnp.asarray(points, jnp.float32)
-    distances = _distances(_unit_rows(points) if spherical else points, centroids, spherical=spherical)
+    distances = _distances(unit_rows(points) if spherical else points, centroids, spherical=spherical)
     nearest = np.bincount(np.asarray(jnp.argmin(distances, axis=-1)), minlength=centroids.shape[0])
     closest = float(jnp.mean(jnp.min(distances, axis=-1)))
     fit = (f"mean cosine to the nearest centroid {1.0 - closest:.3f}" if spherical
@@ -528,10 +529,6 @@ def _on_host(x) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
-
-
-def _unit_rows(x):
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress=None, dtype=None):
