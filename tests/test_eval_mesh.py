@@ -1,8 +1,8 @@
 """Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` build the
 model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
-(`sharding.place_model`), and each batch's rows are split over the data and fsdp axes; perplexity, diagnostics,
-decoding (recall) and a Hugging Face directory (harness `--hf`) then give what they give on one device. 8 fake CPU
-devices (conftest)."""
+(`sharding.place_model`; a Hugging Face directory is read straight onto the mesh), and each batch's rows are split
+over the data and fsdp axes; perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
+then give what they give on one device. 8 fake CPU devices (conftest)."""
 
 import json
 
@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from focal_jax.convert import hf
+from focal_jax.convert.safetensors_io import StoredTensors
 from focal_jax.eval import decode, diagnostics, harness, perplexity, recall
 from focal_jax.train import trainer
 from focal_jax.train.sharding import make_mesh, tree_shardings
@@ -146,22 +147,25 @@ def test_recall_decodes_on_a_mesh_as_on_one_device(dense_run, monkeypatch, tmp_p
 
 
 def test_a_hugging_face_directory_on_a_mesh(dense_run, tmp_path, monkeypatch):
-    """harness `--hf DIR --mesh ...` (`harness.hf_model`): the directory's tensors are read in host memory, then
-    placed; the logits equal those of `from_hf` on one device."""
+    """harness `--hf DIR --mesh ...` (`harness.hf_model`): the directory's tensors are read straight onto the mesh
+    (`from_hf(..., sharding=)`), never whole onto one device; the logits equal those of `from_hf` on one device."""
     directory = str(tmp_path / "hf")
     hf.to_hf(trainer.load_model(dense_run), directory)
-    built_on = []
-    from_hf = hf.from_hf
-    monkeypatch.setattr(hf, "from_hf", lambda d: built_on.append(on(nnx.state(model := from_hf(d)))) or model)
-    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[3])
+    reads, read = [], StoredTensors.read
+
+    def spied(self, name, index=()):
+        reads.append(name)
+        return read(self, name, index)
+
+    monkeypatch.setattr(StoredTensors, "read", spied)
     mesh = make_mesh(MESH)
     model = harness.hf_model(directory, mesh=mesh)
-    assert built_on == [{jax.devices()[3]}]
     check_placed(model, mesh)
+    assert reads.count("model.layers.0.self_attn.q_proj.weight") == 8  # its 8 shards, one by one
     tokens = np.arange(24, dtype=np.int32).reshape(2, 12)
     with jax.set_mesh(mesh):
         got = jax.jit(lambda m, x: m(x))(model, tokens)
-    np.testing.assert_allclose(got, from_hf(directory)(tokens), atol=1e-5)
+    np.testing.assert_allclose(got, hf.from_hf(directory)(tokens), atol=1e-5)
 
 
 def test_a_batch_the_mesh_cannot_split_is_refused_before_the_model_loads(focus_run, monkeypatch, capsys):

@@ -992,6 +992,54 @@ def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, star
         np.testing.assert_allclose(a.self_attn.centroids[...], b.self_attn.centroids[...], atol=1e-5)
 
 
+def hf_base(tmp_path, cache_dir) -> str:
+    """A Hugging Face LLaMA directory with its tokenizer.model: a dense quickstart run of 2 steps, written by
+    `to_hf`."""
+    base, hf_dir = str(tmp_path / "base"), tmp_path / "hf"
+    train(tiny(cache_dir, total_steps=2, model=dense_model()), base)
+    to_hf(load_model(base), str(hf_dir))
+    shutil.copy(os.path.join(base, "tokenizer.model"), hf_dir / "tokenizer.model")
+    return str(hf_dir)
+
+
+def test_two_processes_read_only_their_own_shards_of_a_hugging_face_directory(tmp_path, cache_dir):
+    """A Focus retrofit of a Hugging Face directory on mesh fsdp 2 x tensor 4, in 2 processes of 4 devices each:
+    every parameter is read straight onto the mesh, so process 0, whose devices hold the first half of the fsdp
+    axis, reads from disk half of the checkpoint's bytes and the norms, which are replicated; the run
+    equals the one-process run on the same mesh. `load_model(..., mesh=)` reads the run's base the same way and
+    equals the model loaded on one device."""
+    hf_dir = hf_base(tmp_path, cache_dir)
+    config = load_experiment("focus_retrofit", f"runlocal,hf={hf_dir}")
+    config.update(batch_size=8, total_steps=2, eval_batches=0)
+    config.mesh.update(data=1, fsdp=2, tensor=4)
+    config.data.cache_dir = cache_dir
+    one = str(tmp_path / "one")
+    train(config, one)
+    two = str(tmp_path / "two")
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,hf={hf_dir}", "--workdir", two,
+                              f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
+                              "--config.eval_batches=0", "--config.total_steps=2", "--config.mesh.data=1",
+                              "--config.mesh.fsdp=2", "--config.mesh.tensor=4"], env=env))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    read = re.search(r"read [\d.,]+ MiB \((\d+)%\) of the [\d.,]+ MiB of tensors in \S+ in [\d.]+ s \(the shards "
+                     r"this process's devices hold\)", outputs[0])
+    assert read, outputs[0]
+    assert 50 <= int(read.group(1)) < 60, read.group(0)
+    np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    placed = load_model(two, mesh=mesh)
+    q = placed.layers[0].self_attn.q_proj.kernel[...]
+    assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(placed)),
+                 nnx.to_pure_dict(nnx.state(load_model(two))))
+
+
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path, cache_dir):
     """One host preempted (SIGTERM to one process only): both processes save the same step and stop. Each process
     noted its own SIGTERM at its own step: the signalled one saved and left while the other waited in the next
@@ -1380,10 +1428,12 @@ def _get(tree, path):
 
 
 def test_a_run_builds_its_model_on_the_host_device_then_places_it(tmp_path, cache_dir, monkeypatch):
-    """A run builds its model (a Hugging Face directory's tensors, a Focus retrofit's new parameters) and casts it
-    on `trainer.host_device()` (the host's CPU on a GPU or TPU machine, so that no accelerator need hold the whole
-    model), then places it on the mesh. With the host device patched to CPU device 5 of 8, every parameter of the
-    built model and of the cast trees lives there, and the losses equal those of the same run built on device 0."""
+    """A run reads a Hugging Face directory's tensors straight onto the mesh, and builds the rest of its model (a
+    Focus retrofit's new parameters) and casts it on `trainer.host_device()` (the host's CPU on a GPU or TPU
+    machine, so that no accelerator need hold the whole model), then places it on the mesh. With the host device
+    patched to CPU device 5 of 8, the centroids of the built model and the cast trainable tree (the centroids) live
+    there, the base and the cast frozen tree on the mesh's 8 devices, and the losses equal those of the same run
+    built on device 0."""
     import torch
     import transformers
 
@@ -1405,7 +1455,7 @@ def test_a_run_builds_its_model_on_the_host_device_then_places_it(tmp_path, cach
     on = lambda *trees: {device for tree in trees for x in jax.tree.leaves(tree) for device in x.devices()}
 
     def split_spied(model, optim):
-        devices.append(on(nnx.state(model)))
+        devices.append((on(nnx.state(model, Centroid)), on(nnx.state(model, nnx.Not(Centroid)))))
         return split(model, optim)
 
     def cast_spied(tree, dtype, **kwargs):
@@ -1418,7 +1468,8 @@ def test_a_run_builds_its_model_on_the_host_device_then_places_it(tmp_path, cach
     monkeypatch.setattr(trainer, "split_trainable", split_spied)
     monkeypatch.setattr(trainer, "cast_floats", cast_spied)
     train(config(), str(tmp_path / "device5"))
-    assert devices == [{jax.devices()[5]}] * 3  # the built model, the trainable and the frozen trees cast
+    mesh, host = set(jax.devices()), {jax.devices()[5]}
+    assert devices == [(host, mesh), host, mesh]  # the built model, the trainable and the frozen trees cast
     assert losses(str(tmp_path / "device5")) == losses(str(tmp_path / "device0"))
 
 
@@ -1441,15 +1492,15 @@ def test_a_bfloat16_run_reads_a_hugging_face_directory_as_bfloat16(tmp_path, cac
     config.optim.trainable = "centroids"
     read, from_hf = [], trainer.from_hf
 
-    def spied(directory, *, dtype=jnp.float32):
-        model = from_hf(directory, dtype=dtype)
+    def spied(directory, *, dtype=jnp.float32, **kwargs):
+        model = from_hf(directory, dtype=dtype, **kwargs)
         read.append({x.dtype for x in jax.tree.leaves(nnx.state(model))})
         return model
 
     monkeypatch.setattr(trainer, "from_hf", spied)
     train(config, str(tmp_path / "bf16"))
     assert read == [{jnp.dtype(jnp.bfloat16)}]
-    monkeypatch.setattr(trainer, "from_hf", lambda directory, *, dtype: spied(directory))
+    monkeypatch.setattr(trainer, "from_hf", lambda directory, *, dtype, **kwargs: spied(directory, **kwargs))
     train(config, str(tmp_path / "cast"))
     assert read[1] == {jnp.dtype(jnp.float32)}
     assert losses(str(tmp_path / "bf16")) == losses(str(tmp_path / "cast"))

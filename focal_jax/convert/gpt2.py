@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from focal_jax.convert.safetensors_io import read_safetensors
+from focal_jax.convert.safetensors_io import read_safetensors, to_array, variable_paths
 from focal_jax.nn.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -95,15 +95,18 @@ def load_gpt2(directory, config_json: dict, *, dtype=jnp.float32, rngs: nnx.Rngs
 
 
 def build_gpt2(config_json: dict, tensors: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-               source: str = "the checkpoint", **overrides) -> GPT2:
+               source: str = "the checkpoint", sharding=None, **overrides) -> GPT2:
     """`load_gpt2` on tensors already read (a dict name -> numpy array, e.g. from `read_safetensors`).
 
     The model is built abstractly (`nnx.eval_shape`) and filled from the tensors; only when the config adds
     parameters the checkpoint cannot hold (Focus `Centroid`, Focal `Temperature`) is a model initialised for them.
+    sharding: None, or a function `(path, shape) -> Sharding` that places each checkpoint parameter
+    (`focal_jax.convert.hf.from_hf`).
     """
     config = config_from_hf(config_json, **overrides)
     tensors, prefix = _strip_prefix(tensors)
     model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    paths = variable_paths(model)
     d = config.d_model
     used = set()
 
@@ -119,7 +122,9 @@ def build_gpt2(config_json: dict, tensors: dict, *, dtype=jnp.float32, rngs: nnx
         return array
 
     def put(variable, array):
-        variable.set_value(jnp.asarray(array, dtype=dtype))
+        shape = tuple(variable.get_value().shape)
+        place = None if sharding is None else sharding(paths[id(variable)], shape)
+        variable.set_value(to_array(lambda index: array[tuple(index)], shape, dtype, place))
 
     def load(variable, name):
         put(variable, take(name, variable.get_value().shape))

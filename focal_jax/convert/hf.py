@@ -1,7 +1,8 @@
 """Hugging Face import and export: `from_hf(directory)` builds a focal_jax model from config.json +
 *.safetensors; `to_hf(model, directory)` writes a LLaMA-family model back for `transformers`.
 
-No network and never pickle: tensors are read with the `safetensors` package (numpy framework). Each supported
+No network and never pickle: tensors are read by `focal_jax.convert.safetensors_io.StoredTensors` (memory-mapped
+safetensors files, whole or one device's shard at a time) and written with the `safetensors` package. Each supported
 `model_type` is one entry of `LOADERS` (a function `(hf_config, tensors, dtype) -> model`); add an architecture by
 adding an entry. RoPE: Hugging Face stores q and k projections for the "rotate_half" layout, which is the layout of
 `focal_jax.nn.layers.rope`, so no permutation is applied (the parity tests against transformers check this).
@@ -10,6 +11,7 @@ adding an entry. RoPE: Hugging Face stores q and k projections for the "rotate_h
 import json
 import os
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,33 +20,61 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from focal_jax.convert.gpt2 import build_gpt2
-from focal_jax.convert.safetensors_io import read_safetensors
+from focal_jax.convert.safetensors_io import StoredTensors, to_array, variable_paths
 from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.variables import LoRA
 
 
 class _Tensors:
-    """Hands out checkpoint tensors by name, checking shapes, and reports any left unused."""
+    """Hands out checkpoint tensors by name, checking shapes, and reports any left unused. With a `sharding`
+    function (`from_hf`), each parameter is read straight into its sharding: this process reads only the slices of
+    each tensor that its own devices hold."""
 
-    def __init__(self, tensors, directory):
-        self.tensors, self.directory, self.used = tensors, directory, set()
+    def __init__(self, stored: StoredTensors, *, sharding=None):
+        self.stored, self.directory, self.sharding, self.used = stored, stored.directory, sharding, set()
+        self.paths = {}
+
+    def bind(self, model):
+        """Learn the parameter paths of `model`, whose variables `assign` then fills."""
+        self.paths = variable_paths(model)
+
+    def sharding_of(self, variable):
+        """The sharding `variable` is read into (None: whole, onto the default device)."""
+        if self.sharding is None:
+            return None
+        return self.sharding(self.paths[id(variable)], tuple(variable.get_value().shape))
 
     def assign(self, variable, name, *, transpose=False, dtype=jnp.float32):
         expected = tuple(variable.get_value().shape)
-        if name not in self.tensors:
+        if name not in self.stored:
             raise ValueError(f"checkpoint {self.directory!r} has no tensor {name!r} (expected shape {expected})")
-        array = self.tensors[name]
-        shape = tuple(array.shape[::-1]) if transpose else tuple(array.shape)
-        if shape != expected:
+        stored_shape = self.stored.shape(name)
+        if (stored_shape[::-1] if transpose else stored_shape) != expected:
             want = expected[::-1] if transpose else expected
-            raise ValueError(f"tensor {name!r} in {self.directory!r} has shape {tuple(array.shape)}, expected "
-                             f"{tuple(want)}")
+            raise ValueError(f"tensor {name!r} in {self.directory!r} has shape {stored_shape}, expected {want}")
         self.used.add(name)
-        variable.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
+        if transpose:  # the slice [i, j] of the parameter is the slice [j, i] of the stored tensor, transposed
+            read = lambda index: self.stored.read(name, tuple(index)[::-1]).T
+        else:
+            read = lambda index: self.stored.read(name, index)
+        variable.set_value(to_array(read, expected, dtype, self.sharding_of(variable)))
+
+    def read_all(self) -> dict:
+        """Every tensor, whole (`{name: numpy array}`), all counted as used."""
+        self.used.update(self.stored)
+        return {name: self.stored.read(name) for name in self.stored}
+
+    def equal(self, a: str, b: str, rows: int = 4096) -> bool:
+        """Whether tensors `a` and `b` are equal, compared a block of `rows` rows at a time."""
+        shape = self.stored.shape(a)
+        if shape != self.stored.shape(b):
+            return False
+        blocks = [(slice(i, i + rows),) for i in range(0, shape[0], rows)] if shape else [()]
+        return all(np.array_equal(self.stored.read(a, block), self.stored.read(b, block)) for block in blocks)
 
     def check_all_used(self, ignore=()):
-        unused = sorted(n for n in self.tensors if n not in self.used and not any(s in n for s in ignore))
+        unused = sorted(n for n in self.stored if n not in self.used and not any(s in n for s in ignore))
         if unused:
             raise ValueError(f"checkpoint {self.directory!r} has tensors the model does not use: {unused[:8]}"
                              f"{' ...' if len(unused) > 8 else ''}")
@@ -141,11 +171,12 @@ def load_llama(hf, tensors: _Tensors, dtype):
     QK-norm)."""
     config = llama_config_from_hf(hf)
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    tensors.bind(model)
     for variable, name, transpose in llama_tensors(model):
         tensors.assign(variable, name, transpose=transpose, dtype=dtype)
     ignore = ("rotary_emb.inv_freq",)
-    if config.tie_embeddings and "lm_head.weight" in tensors.tensors:  # a tied checkpoint may still store the copy
-        if not np.array_equal(tensors.tensors["lm_head.weight"], tensors.tensors["model.embed_tokens.weight"]):
+    if config.tie_embeddings and "lm_head.weight" in tensors.stored:  # a tied checkpoint may still store the copy
+        if not tensors.equal("lm_head.weight", "model.embed_tokens.weight"):
             raise ValueError(f"{tensors.directory!r} has tie_word_embeddings=true but an lm_head.weight that differs "
                              f"from model.embed_tokens.weight; set tie_word_embeddings=false in config.json if the "
                              f"separate head is meant")
@@ -156,7 +187,8 @@ def load_llama(hf, tensors: _Tensors, dtype):
 
 # model_type -> loader(hf_config dict, _Tensors, dtype) -> model.
 LOADERS = {
-    "gpt2": lambda hf, tensors, dtype: build_gpt2(hf, tensors.tensors, dtype=dtype, source=tensors.directory),
+    "gpt2": lambda hf, tensors, dtype: build_gpt2(hf, tensors.read_all(), dtype=dtype, source=tensors.directory,
+                                                  sharding=tensors.sharding),
     "llama": load_llama,
     "mistral": load_llama,
     "qwen2": load_llama,
@@ -195,28 +227,41 @@ def read_hf_config(directory) -> dict:
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
-def from_hf(directory, *, dtype=jnp.float32):
+def from_hf(directory, *, dtype=jnp.float32, sharding=None, progress=None):
     """Build a focal_jax model from a Hugging Face model directory (config.json + *.safetensors), no network.
 
     Args:
       directory: a directory written by `save_pretrained(..., safe_serialization=True)`.
       dtype: the parameter dtype (float32 by default; e.g. jnp.bfloat16). Logits are float32 either way.
+      sharding: None (every parameter whole on the default device), or a function `(path, shape) -> Sharding`
+        of a parameter's path ('layers/0/self_attn/q_proj/kernel') and shape, e.g.
+        `focal_jax.train.sharding.param_sharding(mesh)`: each parameter is then read straight into its sharding,
+        this process reading from disk only the slices its own devices hold (a model larger than one process's
+        memory loads on a mesh). GPT-2 checkpoints are read whole, then placed.
+      progress: None, or a function given one line when the tensors are read (how many bytes, how long).
 
     Returns:
       The model (e.g. `focal_jax.nn.llama.Llama`), dense attention; retrofit Focal / Focus afterwards.
 
     Raises:
       ValueError naming the directory or its config.json when `read_hf_config` refuses them (not a directory, no
-      config.json, not a JSON object, a model_type that is not supported), a missing tensor with its expected
-      shape, or a tensor of the wrong shape with both shapes.
+      config.json, not a JSON object, a model_type that is not supported), a file that is not safetensors, a
+      missing tensor with its expected shape, or a tensor of the wrong shape with both shapes.
     """
     dtype = float_dtype(dtype)
     hf = read_hf_config(directory)
-    model = LOADERS[hf["model_type"]](hf, _Tensors(read_safetensors(directory), directory), dtype)
+    start = time.perf_counter()
+    stored = StoredTensors(directory)
+    model = LOADERS[hf["model_type"]](hf, _Tensors(stored, sharding=sharding), dtype)
     abstract = [path for path, x in nnx.to_flat_state(nnx.state(model))
                 if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
     if abstract:
         raise ValueError(f"parameters not filled from the checkpoint: {abstract[:8]}")
+    if progress is not None:
+        progress(f"read {stored.bytes_read / 2**20:,.1f} MiB ({100 * stored.bytes_read / max(stored.nbytes, 1):.0f}%) "
+                 f"of the {stored.nbytes / 2**20:,.1f} MiB of tensors in {directory} in "
+                 f"{time.perf_counter() - start:.1f} s"
+                 + (" (the shards this process's devices hold)" if sharding is not None else ""))
     return model
 
 

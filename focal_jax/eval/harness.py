@@ -356,19 +356,16 @@ def unknown_tasks(tasks: list[str], registered: list[str]) -> str:
 
 
 def hf_model(directory: str, *, mesh=None):
-    """The model of a Hugging Face directory (`focal_jax.convert.hf.from_hf`, float32); with a `mesh`, built in
-    host memory and its parameters placed on the mesh (`focal_jax.train.sharding.place_model`) as
-    `focal_jax.train.trainer.load_model` places a run's."""
+    """The model of a Hugging Face directory (`focal_jax.convert.hf.from_hf`, float32); with a `mesh`, each
+    parameter read straight onto the mesh as `focal_jax.train.trainer.load_model` places a run's
+    (`focal_jax.train.sharding.param_sharding`), each process reading only its own shards."""
     from focal_jax.convert.hf import from_hf
 
     if mesh is None:
         return from_hf(directory)
-    from focal_jax.train.sharding import place_model
-    from focal_jax.train.trainer import host_device
+    from focal_jax.train.sharding import param_sharding
 
-    with jax.default_device(host_device()):
-        model = from_hf(directory)
-    return place_model(model, mesh)
+    return from_hf(directory, sharding=param_sharding(mesh))
 
 
 def main(argv=None) -> dict:

@@ -76,22 +76,40 @@ def partition_spec(path: str, shape: tuple, mesh: Mesh) -> P:
     return P(*spec)
 
 
+def param_sharding(mesh: Mesh):
+    """The function `(parameter path, shape) -> NamedSharding` of the layout `tree_shardings` gives, for
+    `focal_jax.convert.hf.from_hf(..., sharding=)` to read a checkpoint straight onto `mesh`."""
+    return lambda path, shape: NamedSharding(mesh, partition_spec(path, tuple(shape), mesh))
+
+
 def tree_shardings(tree, mesh: Mesh):
     """NamedShardings for every leaf of a parameter pytree, or of an optimizer state whose leaves sit under the
     parameter paths (Adam's `mu` / `nu`: the path regexes match their suffixes). Scalars are replicated."""
-    def leaf_sharding(path, x):
-        return NamedSharding(mesh, partition_spec(path_str(path), np.shape(x), mesh))
-    return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
+    shard = param_sharding(mesh)
+    return jax.tree_util.tree_map_with_path(lambda path, x: shard(path_str(path), np.shape(x)), tree)
+
+
+def put(x, sharding):
+    """`x` placed with `sharding`. An array already on the sharding's devices (read onto the mesh by `from_hf`) is
+    resharded there, without a host copy (it may span other processes); anything else goes through a host copy, so
+    it may come from another backend (the host's CPU), or from this process's devices in a multi-process run."""
+    if isinstance(x, jax.Array) and x.sharding.device_set == sharding.device_set:
+        return jax.device_put(x, sharding)
+    return jax.device_put(np.asarray(x), sharding)
+
+
+def place_tree(tree, shardings):
+    """Every leaf of `tree` placed with its sharding (`put`)."""
+    return jax.tree.map(put, tree, shardings)
 
 
 def place_model(model, mesh: Mesh):
     """`model` (an NNX module, e.g. built in host memory by `focal_jax.train.trainer.load_model`) with each of its
     arrays put on `mesh` as the trainer lays out parameters (`tree_shardings`: the embedding dimension over
-    'fsdp', heads, MLP and vocabulary over 'tensor'), in place; returns `model`. The arrays go through host copies,
-    so they may come from another backend (the host's CPU)."""
+    'fsdp', heads, MLP and vocabulary over 'tensor'), in place; returns `model`. Arrays go through host copies
+    unless they are on the mesh already (`put`)."""
     state = nnx.to_pure_dict(nnx.state(model))
-    shardings = tree_shardings(state, mesh)
-    nnx.update(model, jax.tree.map(lambda x, sharding: jax.device_put(np.asarray(x), sharding), state, shardings))
+    nnx.update(model, place_tree(state, tree_shardings(state, mesh)))
     return model
 
 

@@ -35,7 +35,8 @@ from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attent
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
-from focal_jax.train.sharding import check_batch_layout, make_mesh, place_model, shard_batch, tree_shardings
+from focal_jax.train.sharding import (check_batch_layout, make_mesh, param_sharding, place_model, place_tree,
+                                      shard_batch, tree_shardings)
 
 
 def log(message: str):
@@ -44,16 +45,19 @@ def log(message: str):
         print(message, flush=True)
 
 
-def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_dtype=jnp.float32):
+def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_dtype=jnp.float32, mesh=None,
+                progress=None):
     """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
-    holds: a Hugging Face directory (its tensors read as `hf_dtype`), or a focal_jax run directory (the whole model
-    of that run at its checkpoint `base_step`, default the latest, rebuilt from its own base with its retrofits and
-    trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging Face directory), its blocks
-    rematerialised if `model.remat`."""
+    holds: a Hugging Face directory (its tensors read as `hf_dtype`; with a `mesh`, each straight into its sharding
+    there, this process reading only its own shards; `progress` gets a line once they are read), or a focal_jax run
+    directory (the whole model of that run at its checkpoint `base_step`, default the latest, rebuilt from its own
+    base with its retrofits and trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging
+    Face directory), its blocks rematerialised if `model.remat`."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
             try:
-                model = from_hf(run.init_from, dtype=hf_dtype)
+                model = from_hf(run.init_from, dtype=hf_dtype, progress=progress,
+                                sharding=None if mesh is None else param_sharding(mesh))
             except ValueError as e:  # an unsupported architecture, a missing or misshapen tensor
                 raise ConfigError(f"init_from={run.init_from!r}: {e}") from None
         else:
@@ -211,16 +215,16 @@ def host_device():
         return jax.local_devices()[0]
 
 
-def init_model(run: RunConfig, *, base_step: int | None = None, hf_dtype=jnp.float32):
+def init_model(run: RunConfig, *, base_step: int | None = None, hf_dtype=jnp.float32, mesh=None, progress=None):
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`, a Hugging
-    Face directory's tensors read as `hf_dtype`), then the pretrained `init_from` workdir's parameters (of its
-    checkpoint `base_step`, default the latest), then the retrofits (Focal, Focus, then LoRA: `retrofit` hands a
-    `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus retrofit with `init='kmeans'` gets random centroids here:
-    a new run fits them once its parameters are on the mesh (`fit_kmeans_centroids`); a resume or a stored run's
-    model reads them from a checkpoint."""
+    Face directory's tensors read as `hf_dtype`, onto `mesh` if one is given), then the pretrained `init_from`
+    workdir's parameters (of its checkpoint `base_step`, default the latest), then the retrofits (Focal, Focus, then
+    LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus retrofit with `init='kmeans'`
+    gets random centroids here: a new run fits them once its parameters are on the mesh (`fit_kmeans_centroids`); a
+    resume or a stored run's model reads them from a checkpoint."""
     if base_step is not None:
         checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
-    model = build_model(run, seed=run.seed, base_step=base_step, hf_dtype=hf_dtype)
+    model = build_model(run, seed=run.seed, base_step=base_step, hf_dtype=hf_dtype, mesh=mesh, progress=progress)
     if run.init_from and run.family != "hf":
         if checkpoint.is_hf_directory(run.init_from):
             raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
@@ -265,13 +269,14 @@ def load_model(workdir: str, *, step: int | None = None, mesh=None):
 
     mesh: a `jax.sharding.Mesh` with axes `('data', 'fsdp', 'tensor')` (`focal_jax.train.sharding.make_mesh`), for
     evaluation on several devices (a model larger than one, or data-parallel): the model is then built in host
-    memory (`host_device`) and its parameters placed on the mesh as the trainer places them (`place_model`). Run it
-    under `jax.set_mesh(mesh)`, so that the Pallas kernels run per shard. Default: built on the default device."""
+    memory (`host_device`; a Hugging Face base is read straight onto the mesh, each process reading its own
+    shards) and its parameters placed on the mesh as the trainer places them (`place_model`). Run it under
+    `jax.set_mesh(mesh)`, so that the Pallas kernels run per shard. Default: built on the default device."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     with contextlib.nullcontext() if mesh is None else jax.default_device(host_device()):
-        model = init_model(run, base_step=meta.get("init_from_step"))  # holds the run's init_from
+        model = init_model(run, base_step=meta.get("init_from_step"), mesh=mesh)  # holds the run's init_from
         model = load_pretrained(model, workdir, with_base=False, step=step)
     return model if mesh is None else place_model(model, mesh)
 
@@ -677,8 +682,8 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     host = host_device()
     param_dtype = DTYPES[run.param_dtype]
     with jax.default_device(host):  # in host memory: no one accelerator need hold the model before the mesh does
-        # (a Hugging Face directory read as param_dtype: a bf16 run never holds a float32 copy of its base)
-        model = init_model(run, base_step=init_from_step, hf_dtype=param_dtype)
+        # (a Hugging Face directory is read as param_dtype straight onto the mesh, each process reading its shards)
+        model = init_model(run, base_step=init_from_step, hf_dtype=param_dtype, mesh=mesh, progress=log)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
         raise ConfigError(f"model vocab_size={vocab} is smaller than the tokenizer's {data.tokenizer.vocab_size}: "
@@ -710,11 +715,7 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     # ---------------------------------------------------------------- Optimizer, sharding
     tx = make_optimizer(run.optim, run.total_steps)
     trainable_sharding, frozen_sharding = tree_shardings(trainable, mesh), tree_shardings(frozen, mesh)
-    # Placed from host copies: the model's arrays may be on another backend (the host's CPU), and in a multi-process
-    # run arrays on this process's devices (a restored base run's) cannot be put on another host's
-    trainable, frozen = jax.tree.map(np.asarray, trainable), jax.tree.map(np.asarray, frozen)
-    trainable = jax.device_put(trainable, trainable_sharding)
-    frozen = jax.device_put(frozen, frozen_sharding)
+    trainable, frozen = place_tree(trainable, trainable_sharding), place_tree(frozen, frozen_sharding)
     if kmeans and resume_step is None:  # on the run's first batch, which training then starts on
         start = data_iter.get_state()
         first = shard_batch(next(data_iter), mesh)
