@@ -3,8 +3,6 @@ slice at a time) against the `safetensors` package, and `from_hf(..., sharding=)
 its sharding, each shard once, with the values of `from_hf` on one device. 8 fake CPU devices (conftest); the
 two-process run, where each process reads only its own shards, is in test_train.py."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +22,8 @@ MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 
 
 def test_stored_tensors_read_every_dtype_whole_and_sliced_as_safetensors_does(tmp_path):
+    """Tensors written by the safetensors package (numpy, and torch for bfloat16 and float8) in two files read back
+    equal, whole and sliced, a scalar and an empty tensor included; `bytes_read` counts a slice's bytes only."""
     rng = np.random.default_rng(0)
     arrays = {"f32": rng.normal(size=(5, 7)).astype(np.float32), "f16": rng.normal(size=(3, 4)).astype(np.float16),
               "f64": rng.normal(size=(2,)), "i64": np.arange(6).reshape(2, 3), "u8": np.arange(9, dtype=np.uint8),

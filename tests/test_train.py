@@ -926,14 +926,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(workdir: str, cache_dir: str, *flags: str) -> list:
-    """The quickstart's runlocal config started in 2 local processes of 4 CPU devices each (no evaluation)."""
+def two_processes(workdir: str, cache_dir: str, *flags: str, config="experiments/quickstart.py:runlocal") -> list:
+    """`config` (the quickstart's runlocal config) started in 2 local processes of 4 CPU devices each (no
+    evaluation)."""
     port, procs = free_port(), []
     for rank in range(2):
         env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
                    JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                    XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", "experiments/quickstart.py:runlocal", "--workdir", workdir,
+        procs.append(run_cli(["--config", config, "--workdir", workdir,
                               f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
                               "--config.eval_batches=0", *flags], env=env))
     return procs
@@ -951,47 +952,6 @@ def test_two_processes_agree_with_one(tmp_path, cache_dir):
     assert latest_step(two) == 2
 
 
-@pytest.mark.parametrize("start", ["focal_jax run", "Hugging Face directory"])
-def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, start):
-    """`retrofit.focus.init='kmeans'` in 2 processes: the sharded forward reads the first batch of both and each
-    process's k-means sees all of its routing inputs (8 x 64 points a layer, as process 0 reports), so the run
-    equals the one-process run (centroids at step 0, losses). From a focal_jax run (`init_from=`, whose stored
-    config the experiment reads) and from a Hugging Face directory (`hf=`: a dense base run written by `to_hf`,
-    with its tokenizer.model)."""
-    base = str(tmp_path / "base")
-    if start == "focal_jax run":
-        train(tiny(cache_dir, total_steps=2), base)
-        start_from = f"init_from={base}"
-    else:
-        train(tiny(cache_dir, total_steps=2, model=dense_model()), base)
-        hf_dir = tmp_path / "hf"
-        to_hf(load_model(base), str(hf_dir))
-        shutil.copy(os.path.join(base, "tokenizer.model"), hf_dir / "tokenizer.model")
-        start_from = f"hf={hf_dir}"
-    config = load_experiment("focus_retrofit", f"runlocal,{start_from},init=kmeans")
-    config.update(batch_size=8, total_steps=2, eval_batches=0)
-    config.data.cache_dir = cache_dir
-    one = str(tmp_path / "one")
-    train(config, one)
-    two = str(tmp_path / "two")
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
-                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,{start_from},init=kmeans",
-                              "--workdir", two, f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
-                              "--config.eval_batches=0", "--config.total_steps=2"], env=env))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "in 2 process(es)" in outputs[0] and "k-means centroids from the first batch" in outputs[0]
-    assert re.search(r"k-means centroids of Focus layer 1 of \d+: 512 points, mean cosine", outputs[0])
-    assert "k-means centroids of Focus layer" not in outputs[1]  # (process 0 logs)
-    np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
-    for a, b in zip(load_model(one).layers, load_model(two).layers):
-        np.testing.assert_allclose(a.self_attn.centroids[...], b.self_attn.centroids[...], atol=1e-5)
-
-
 def hf_base(tmp_path, cache_dir) -> str:
     """A Hugging Face LLaMA directory with its tokenizer.model: a dense quickstart run of 2 steps, written by
     `to_hf`."""
@@ -1002,11 +962,42 @@ def hf_base(tmp_path, cache_dir) -> str:
     return str(hf_dir)
 
 
+@pytest.mark.parametrize("start", ["focal_jax run", "Hugging Face directory"])
+def test_two_processes_fit_the_kmeans_centroids_of_one(tmp_path, cache_dir, start):
+    """`retrofit.focus.init='kmeans'` in 2 processes: the sharded forward reads the first batch of both and each
+    process's k-means sees all of its routing inputs (8 x 64 points a layer, as process 0 reports), so the run
+    equals the one-process run (centroids at step 0, losses). From a focal_jax run (`init_from=`, whose stored
+    config the experiment reads) and from a Hugging Face directory (`hf=`: a dense base run written by `to_hf`,
+    with its tokenizer.model)."""
+    if start == "focal_jax run":
+        base = str(tmp_path / "base")
+        train(tiny(cache_dir, total_steps=2), base)
+        start_from = f"init_from={base}"
+    else:
+        start_from = f"hf={hf_base(tmp_path, cache_dir)}"
+    config = load_experiment("focus_retrofit", f"runlocal,{start_from},init=kmeans")
+    config.update(batch_size=8, total_steps=2, eval_batches=0)
+    config.data.cache_dir = cache_dir
+    one = str(tmp_path / "one")
+    train(config, one)
+    two = str(tmp_path / "two")
+    procs = two_processes(two, cache_dir, "--config.total_steps=2",
+                          config=f"experiments/focus_retrofit.py:runlocal,{start_from},init=kmeans")
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "in 2 process(es)" in outputs[0] and "k-means centroids from the first batch" in outputs[0]
+    assert re.search(r"k-means centroids of Focus layer 1 of \d+: 512 points, mean cosine", outputs[0])
+    assert "k-means centroids of Focus layer" not in outputs[1]  # (process 0 logs)
+    np.testing.assert_allclose(list(losses(two).values()), list(losses(one).values()), atol=1e-5)
+    for a, b in zip(load_model(one).layers, load_model(two).layers):
+        np.testing.assert_allclose(a.self_attn.centroids[...], b.self_attn.centroids[...], atol=1e-5)
+
+
 def test_two_processes_read_only_their_own_shards_of_a_hugging_face_directory(tmp_path, cache_dir):
     """A Focus retrofit of a Hugging Face directory on mesh fsdp 2 x tensor 4, in 2 processes of 4 devices each:
     every parameter is read straight onto the mesh, so process 0, whose devices hold the first half of the fsdp
-    axis, reads from disk half of the checkpoint's bytes and the norms, which are replicated; the run
-    equals the one-process run on the same mesh. `load_model(..., mesh=)` reads the run's base the same way and
+    axis, reads from disk half of the checkpoint's bytes and the norms, which are replicated; the run equals the
+    one-process run on the same mesh. `load_model(..., mesh=)` reads the run's base the same way and
     equals the model loaded on one device."""
     hf_dir = hf_base(tmp_path, cache_dir)
     config = load_experiment("focus_retrofit", f"runlocal,hf={hf_dir}")
@@ -1016,15 +1007,8 @@ def test_two_processes_read_only_their_own_shards_of_a_hugging_face_directory(tm
     one = str(tmp_path / "one")
     train(config, one)
     two = str(tmp_path / "two")
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = dict(os.environ, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank),
-                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-        procs.append(run_cli(["--config", f"experiments/focus_retrofit.py:runlocal,hf={hf_dir}", "--workdir", two,
-                              f"--config.data.cache_dir={cache_dir}", "--config.batch_size=8",
-                              "--config.eval_batches=0", "--config.total_steps=2", "--config.mesh.data=1",
-                              "--config.mesh.fsdp=2", "--config.mesh.tensor=4"], env=env))
+    procs = two_processes(two, cache_dir, "--config.total_steps=2", "--config.mesh.data=1", "--config.mesh.fsdp=2",
+                          "--config.mesh.tensor=4", config=f"experiments/focus_retrofit.py:runlocal,hf={hf_dir}")
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     read = re.search(r"read [\d.,]+ MiB \((\d+)%\) of the [\d.,]+ MiB of tensors in \S+ in [\d.]+ s \(the shards "
