@@ -13,6 +13,14 @@
     python -m focal_jax.bench sinkhorn [--lengths 2048] [--batch 4] [--groups 8] [--documents 4] [--repeats 20]
     python -m focal_jax.bench shard [--mesh 2 2 2] [--batch 8] [--seq-len 256] [--heads 8] [--kv-heads 4]
                                     (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
+    python -m focal_jax.bench load [--dir HF_DIR | --d-model 1024 --layers 8 --vocab 32000] [--dtype bfloat16]
+                                   [--repeats 3]   (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
+
+``load``: reading a Hugging Face directory (``--dir``, or a random LLaMA checkpoint of the given size written to a
+temporary directory): the tensors read by the ``safetensors`` package's flax reader and put on the default device
+(how ``from_hf`` read them before 0.6.27), ``from_hf`` onto the default device, and ``from_hf`` straight onto a mesh
+of every device (``fsdp`` = the device count, ``sharding=param_sharding(mesh)``), side by side: seconds (median of
+``--repeats``, the files in the page cache after the first read) and the MiB this process copied out of the files.
 
 ``sinkhorn``: the routing's balancing (``focal_jax.attention.sinkhorn``, 10 iterations) with its iterations unrolled
 (the default) and as a ``lax.scan`` (``unroll=False``), side by side: seconds to trace and lower, seconds to
@@ -930,6 +938,81 @@ def run_sinkhorn(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def _write_checkpoint(directory: str, args: argparse.Namespace) -> str:
+    """A random LLaMA of the ``load`` arguments' size written by ``to_hf`` in ``args.dtype``; returns `directory`."""
+    from flax import nnx
+
+    from focal_jax.convert.hf import to_hf
+    from focal_jax.nn.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
+                         n_heads=max(1, args.d_model // 128), intermediate=args.d_model * 8 // 3 // 64 * 64)
+    model = Llama(config, rngs=nnx.Rngs(args.seed))
+    dtype = jax.numpy.dtype(args.dtype)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model)))
+    to_hf(model, directory)
+    return directory
+
+
+def run_load(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``load`` subcommand: a Hugging Face directory read by the safetensors package vs ``from_hf`` whole vs
+    ``from_hf`` onto a mesh of every device."""
+    import tempfile
+
+    import numpy as np
+    from flax import nnx
+    from safetensors import safe_open
+
+    from focal_jax.convert.hf import from_hf
+    from focal_jax.convert.safetensors_io import StoredTensors, safetensors_files
+    from focal_jax.train.sharding import make_mesh, param_sharding
+
+    dtype = jax.numpy.dtype(args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.dir is None:
+            _log(f"writing a random LLaMA (d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}) ...")
+        directory = args.dir or _write_checkpoint(tmp, args)
+        stored_mib = StoredTensors(directory).nbytes / 2**20
+
+        def package_read():  # each tensor read whole by the flax reader, then put on the default device
+            read = 0
+            for path in safetensors_files(directory):
+                with safe_open(path, framework="flax") as f:
+                    for name in f.keys():
+                        array = jax.block_until_ready(jax.numpy.asarray(f.get_tensor(name), dtype))
+                        read += array.nbytes
+            return read
+
+        def load(sharding):
+            lines = []
+            model = from_hf(directory, dtype=dtype, sharding=sharding, progress=lines.append)
+            jax.block_until_ready(nnx.state(model))
+            return float(lines[0].split(" MiB")[0].removeprefix("read ").replace(",", "")) * 2**20
+
+        n = jax.device_count()
+        variants = [("safetensors package (flax reader), then device_put: before 0.6.27", package_read),
+                    ("from_hf, whole on the default device", lambda: load(None))]
+        if n > 1:
+            mesh = make_mesh({"fsdp": n})
+            variants.append((f"from_hf onto a mesh of {n} devices (fsdp={n})", lambda: load(param_sharding(mesh))))
+        _print_header(f"Reading a Hugging Face directory: {stored_mib:,.0f} MiB of tensors, read as {dtype.name}",
+                      argv)
+        rows, base = [], None
+        for name, fn in variants:
+            times = []
+            for _ in range(args.repeats + 1):  # the first read warms the page cache
+                _log(f"{name} ...")
+                start = time.perf_counter()
+                read = fn()
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times[1:])
+            base = base or seconds
+            rows.append([name, f"{seconds:.2f}", _fmt_ratio(seconds / base), f"{read / 2**20:,.0f}"])
+    print(_inputs.markdown_table(["variant", "time (s)", "vs safetensors", "MiB read (copied out, converted)"],
+                                 rows))
+    return 0
+
+
 def _sum_grad(fn):
     """`fn(q, k, v, *rest)` -> gradients of `sum(out)` (in float32) with respect to q, k, v."""
     return jax.grad(lambda *args: jax.numpy.sum(fn(*args).astype(jax.numpy.float32)), argnums=(0, 1, 2))
@@ -937,7 +1020,7 @@ def _sum_grad(fn):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``compile``,
-    ``sinkhorn``, ``shard``)."""
+    ``sinkhorn``, ``shard``, ``load``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -1007,6 +1090,16 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("--head-dim", type=_positive_int, default=64)
     shard.add_argument("--seed", type=int, default=0)
     shard.set_defaults(run=run_shard)
+    load = sub.add_parser("load", help="a Hugging Face directory read: safetensors vs from_hf vs from_hf on a mesh")
+    load.add_argument("--dir", default=None, help="a Hugging Face directory (default: a random LLaMA, below)")
+    load.add_argument("--d-model", type=_positive_int, default=1024)
+    load.add_argument("--layers", type=_positive_int, default=8)
+    load.add_argument("--vocab", type=_positive_int, default=32000)
+    load.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                      help="the stored and loaded dtype")
+    load.add_argument("--repeats", type=_positive_int, default=3, help="timed reads (median), after one warm-up")
+    load.add_argument("--seed", type=int, default=0)
+    load.set_defaults(run=run_load)
     return parser
 
 

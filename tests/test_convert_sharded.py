@@ -61,7 +61,9 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path):
                             (data[:-8], r"tensor 'x' in .*model\.safetensors.*bytes 0\.\.64 do not hold a F32 tensor "
                                         r"of shape \[4, 4\]"),
                             (b"\xff" * 16, r"is not a safetensors file \(16 bytes, header length"),
-                            (len(b"[1]").to_bytes(8, "little") + b"[1]", r"its header is not a JSON object")):
+                            (len(b"[1]").to_bytes(8, "little") + b"[1]", r"its header is not a JSON object"),
+                            (len(b'{"x": 1}').to_bytes(8, "little") + b'{"x": 1}',
+                             r"the header entry of 'x' is 1, not a dtype, shape and data_offsets")):
         (tmp_path / "model.safetensors").write_bytes(broken)
         with pytest.raises(ValueError, match=message):
             StoredTensors(tmp_path)

@@ -81,6 +81,19 @@ def test_bench_train_prints_every_kind(capsys):
         assert f"| {kind}" in out
 
 
+def test_bench_load_prints_every_reader(capsys):
+    """`bench load` reads a random LLaMA checkpoint three ways; each row copies every byte out of the files once
+    (this process holds all 8 devices)."""
+    assert bench.main(["load", "--d-model", "128", "--layers", "1", "--vocab", "8192", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row[0].strip() for row in rows] == [
+        "safetensors package (flax reader), then device_put: before 0.6.27", "from_hf, whole on the default device",
+        "from_hf onto a mesh of 8 devices (fsdp=8)"]
+    stored = re.search(r"Reading a Hugging Face directory: ([\d.]+) MiB", out)
+    assert stored and {row[3].strip() for row in rows} == {stored.group(1)}
+
+
 def test_bench_kernel_prints_every_variant(capsys):
     assert bench.main(["kernel", "--lengths", "256", "--heads", "2", "--head-dim", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -86,8 +86,11 @@ class StoredTensors:
                 if name in self._tensors:
                     raise ValueError(f"tensor {name!r} appears in more than one safetensors file of "
                                      f"{self.directory!r}")
-                if info.get("dtype") not in DTYPES:
-                    raise ValueError(f"tensor {name!r} in {path!r} has dtype {info.get('dtype')!r}; readable: "
+                if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+                    raise ValueError(f"{path!r} is not a safetensors file: the header entry of {name!r} is {info!r}, "
+                                     f"not a dtype, shape and data_offsets")
+                if info["dtype"] not in DTYPES:
+                    raise ValueError(f"tensor {name!r} in {path!r} has dtype {info['dtype']!r}; readable: "
                                      f"{sorted(DTYPES)}")
                 dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"])
                 begin, end = info["data_offsets"]
