@@ -88,7 +88,7 @@ def test_bench_load_prints_every_reader(capsys):
     out = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row[0].strip() for row in rows] == [
-        "safetensors package (flax reader), then device_put: before 0.6.27", "from_hf, whole on the default device",
+        "from_hf before 0.6.27: all read by the safetensors package (flax)", "from_hf, whole on the default device",
         "from_hf onto a mesh of 8 devices (fsdp=8)"]
     stored = re.search(r"Reading a Hugging Face directory: ([\d.]+) MiB", out)
     assert stored and {row[3].strip() for row in rows} == {stored.group(1)}
