@@ -18,9 +18,10 @@
 
 ``load``: reading a Hugging Face directory (``--dir``, or a random LLaMA checkpoint of the given size written to a
 temporary directory): ``from_hf`` as it was before 0.6.27 (every tensor read whole by the ``safetensors``
-package's flax reader, then the same assignment), ``from_hf`` onto the default device, and ``from_hf`` straight onto
-a mesh of every device (``fsdp`` = the device count, ``sharding=param_sharding(mesh)``), side by side: seconds (median of
-``--repeats``, the files in the page cache after the first read) and the MiB this process copied out of the files.
+package's flax reader, then the same assignment), ``from_hf`` onto the default device, and ``from_hf`` straight
+onto a mesh of every device (``fsdp`` = the device count, ``sharding=param_sharding(mesh)``), side by side: seconds
+(median of ``--repeats``, the files in the page cache after the first read) and the MiB this process copied out of
+the files.
 
 ``sinkhorn``: the routing's balancing (``focal_jax.attention.sinkhorn``, 10 iterations) with its iterations unrolled
 (the default) and as a ``lax.scan`` (``unroll=False``), side by side: seconds to trace and lower, seconds to

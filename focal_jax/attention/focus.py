@@ -60,8 +60,9 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
 
 
 def unit_rows(x):
-    """`x / max(|x|, 1e-6)` row-wise (`[..., d]` -> `[..., d]`), with a finite gradient at a zero row (that of `jnp.linalg.norm` is NaN there,
-    and a zero input row or centroid would fill the whole router's gradient with NaN)."""
+    """`x / max(|x|, 1e-6)` row-wise (`[..., d]` -> `[..., d]`), with a finite gradient at a zero row (that of
+    `jnp.linalg.norm` is NaN there, and a zero input row or centroid would fill the whole router's gradient with
+    NaN)."""
     return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
 
 
