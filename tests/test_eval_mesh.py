@@ -1,12 +1,14 @@
-"""Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` build the
-model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
-(`sharding.place_model`; a Hugging Face directory is read straight onto the mesh), and each batch's rows are split
-over the data and fsdp axes; perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
-then give what they give on one device. 8 fake CPU devices (conftest)."""
+"""Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` restore a
+run from scratch straight onto the mesh, or build the model in host memory (`trainer.host_device()`) and place its
+parameters on the mesh as the trainer does (`sharding.place_model`; a Hugging Face directory is read straight onto
+the mesh), and each batch's rows are split over the data and fsdp axes; perplexity, diagnostics, decoding (recall)
+and a Hugging Face directory (harness `--hf`) then give what they give on one device. 8 fake CPU devices
+(conftest)."""
 
 import json
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from focal_jax.convert import hf
 from focal_jax.convert.safetensors_io import StoredTensors
 from focal_jax.eval import decode, diagnostics, harness, perplexity, recall
-from focal_jax.train import trainer
+from focal_jax.train import checkpoint, train, trainer
 from focal_jax.train.sharding import make_mesh, tree_shardings
 from test_eval_perplexity import tiny_focus_run
 
@@ -50,26 +52,64 @@ def check_placed(model, mesh):
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 4)
 
 
-def test_load_model_on_a_mesh_builds_in_host_memory_then_places_every_parameter(focus_run, monkeypatch):
-    """With the host device patched to CPU device 5 of 8, the model is built and its checkpoint restored there,
-    then every parameter is placed on the mesh; the values are those of the model loaded on one device."""
-    built_on = []
-    load_pretrained = trainer.load_pretrained
+@pytest.fixture(scope="module")
+def retrofit_run(dense_run, tmp_path_factory):
+    """A Focus retrofit of `dense_run` (its centroids trained for one step)."""
+    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
+    config.update(init_from=dense_run, total_steps=1)
+    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
+    config.optim.trainable = "centroids"
+    workdir = str(tmp_path_factory.mktemp("retrofit") / "run")
+    train(config, workdir)
+    return workdir
+
+
+def spy_load_pretrained(monkeypatch) -> list:
+    """`(the model trainer.load_pretrained is given, the devices of the model it returns)` of every call."""
+    calls, load_pretrained = [], trainer.load_pretrained
 
     def spied(model, workdir, **kwargs):
+        given = nnx.to_pure_dict(nnx.state(model))
         model = load_pretrained(model, workdir, **kwargs)
-        built_on.append(on(nnx.state(model)))
+        calls.append((given, on(nnx.state(model))))
         return model
 
-    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[5])
     monkeypatch.setattr(trainer, "load_pretrained", spied)
+    return calls
+
+
+def test_load_model_on_a_mesh_restores_a_run_from_scratch_straight_onto_it(focus_run, monkeypatch):
+    """A run from scratch (its checkpoints hold every parameter): `load_model(..., mesh=)` draws no parameter and
+    builds nothing in host memory; the checkpoint is restored into abstract arrays that carry the trainer's
+    shardings, so each process reads only its own shards. The values are those of the model loaded on one
+    device."""
+    calls = spy_load_pretrained(monkeypatch)
+    monkeypatch.setattr(trainer, "host_device", lambda: pytest.fail("built in host memory"))
     mesh = make_mesh(MESH)
     placed = trainer.load_model(focus_run, mesh=mesh)
-    assert built_on == [{jax.devices()[5]}]
+    [(given, devices)] = calls
+    state = nnx.to_pure_dict(nnx.state(placed))
+    for x, want in zip(jax.tree.leaves(given), jax.tree.leaves(tree_shardings(state, mesh)), strict=True):
+        assert isinstance(x, jax.ShapeDtypeStruct) and x.sharding == want
+    assert devices == set(jax.devices())
+    check_placed(placed, mesh)
+    jax.tree.map(np.testing.assert_array_equal, state, nnx.to_pure_dict(nnx.state(trainer.load_model(focus_run))))
+
+
+def test_load_model_on_a_mesh_builds_a_retrofit_in_host_memory_then_places_every_parameter(retrofit_run,
+                                                                                            monkeypatch):
+    """A retrofit of a focal_jax run: with the host device patched to CPU device 5 of 8, the model is built and
+    its base and its own checkpoint restored there, then every parameter is placed on the mesh; the values are
+    those of the model loaded on one device."""
+    calls = spy_load_pretrained(monkeypatch)
+    monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[5])
+    mesh = make_mesh(MESH)
+    placed = trainer.load_model(retrofit_run, mesh=mesh)
+    assert [devices for _, devices in calls] == [{jax.devices()[5]}] * 2  # the base run's, then the retrofit's
     check_placed(placed, mesh)
     assert on(nnx.state(placed)) == set(jax.devices())
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(placed)),
-                 nnx.to_pure_dict(nnx.state(trainer.load_model(focus_run))))
+                 nnx.to_pure_dict(nnx.state(trainer.load_model(retrofit_run))))
 
 
 def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkeypatch, tmp_path):

@@ -103,6 +103,19 @@ def place_tree(tree, shardings):
     return jax.tree.map(put, tree, shardings)
 
 
+def abstract_on_mesh(model, mesh: Mesh):
+    """`model`, abstract (`nnx.eval_shape`), with each variable a `jax.ShapeDtypeStruct` that carries its sharding
+    on `mesh` (the layout of `tree_shardings`), in place; returns `model`: a target that a checkpoint restores
+    straight onto the mesh, each process reading only its own shards."""
+    shard = param_sharding(mesh)
+    for path, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Variable):
+            value = variable.get_value()
+            sharding = shard("/".join(map(str, path)), tuple(value.shape))
+            variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+    return model
+
+
 def place_model(model, mesh: Mesh):
     """`model` (an NNX module, e.g. built in host memory by `focal_jax.train.trainer.load_model`) with each of its
     arrays put on `mesh` as the trainer lays out parameters (`tree_shardings`: the embedding dimension over

@@ -35,8 +35,8 @@ from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attent
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
-from focal_jax.train.sharding import (check_batch_layout, make_mesh, param_sharding, place_model, place_tree,
-                                      shard_batch, tree_shardings)
+from focal_jax.train.sharding import (abstract_on_mesh, check_batch_layout, make_mesh, param_sharding, place_model,
+                                      place_tree, shard_batch, tree_shardings)
 
 
 def log(message: str):
@@ -268,13 +268,23 @@ def load_model(workdir: str, *, step: int | None = None, mesh=None):
     not the bf16-rounded copy a `param_dtype='bfloat16'` run trained on).
 
     mesh: a `jax.sharding.Mesh` with axes `('data', 'fsdp', 'tensor')` (`focal_jax.train.sharding.make_mesh`), for
-    evaluation on several devices (a model larger than one, or data-parallel): the model is then built in host
-    memory (`host_device`; a Hugging Face base is read straight onto the mesh, each process reading its own
-    shards) and its parameters placed on the mesh as the trainer places them (`place_model`). Run it under
-    `jax.set_mesh(mesh)`, so that the Pallas kernels run per shard. Default: built on the default device."""
+    evaluation on several devices (a model larger than one, or data-parallel), its parameters laid out as the
+    trainer lays them out. A run from scratch (no `init_from`, no retrofit), whose checkpoints hold every
+    parameter, is restored straight onto the mesh (`abstract_on_mesh`: nothing drawn, each process reading its own
+    shards). Any other run is built in host memory (`host_device`; a Hugging Face base is read straight onto the
+    mesh), then placed (`place_model`). Run it under `jax.set_mesh(mesh)`, so that the Pallas kernels run per
+    shard. Default: built on the default device."""
     checkpoint.require_step(workdir, step)
     _, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
+    if mesh is not None and not run.init_from and not run.retrofit and meta.get("params_scope") == "all":
+        # A run from scratch whose checkpoints hold every parameter: restored straight onto the mesh, none drawn
+        model = load_pretrained(abstract_on_mesh(nnx.eval_shape(lambda: init_model(run)), mesh), workdir,
+                                with_base=False, step=step)
+        if abstract := [path for path, x in nnx.to_flat_state(nnx.state(model))
+                        if isinstance(x.get_value(), jax.ShapeDtypeStruct)]:
+            raise ValueError(f"the checkpoint of {workdir!r} did not fill {abstract[:4]}")
+        return model
     with contextlib.nullcontext() if mesh is None else jax.default_device(host_device()):
         model = init_model(run, base_step=meta.get("init_from_step"), mesh=mesh)  # holds the run's init_from
         model = load_pretrained(model, workdir, with_base=False, step=step)
