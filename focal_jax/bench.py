@@ -939,25 +939,6 @@ def run_sinkhorn(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-class _TensorsInMemory:
-    """`StoredTensors`' interface over tensors already read whole (`{name: numpy array}`)."""
-
-    def __init__(self, tensors: dict, directory: str):
-        self.tensors, self.directory = tensors, directory
-
-    def __contains__(self, name) -> bool:
-        return name in self.tensors
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def shape(self, name) -> tuple:
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, index=()):
-        return self.tensors[name][tuple(index)]
-
-
 def _write_checkpoint(directory: str, args: argparse.Namespace) -> str:
     """A random LLaMA of the ``load`` arguments' size written by ``to_hf`` in ``args.dtype``; returns `directory`."""
     from flax import nnx
@@ -984,7 +965,7 @@ def run_load(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from safetensors import safe_open
 
     from focal_jax.convert.hf import LOADERS, _Tensors, from_hf, read_hf_config
-    from focal_jax.convert.safetensors_io import StoredTensors, safetensors_files
+    from focal_jax.convert.safetensors_io import StoredTensors, TensorsInMemory, safetensors_files
     from focal_jax.train.sharding import make_mesh, param_sharding
 
     dtype = jax.numpy.dtype(args.dtype)
@@ -1000,7 +981,7 @@ def run_load(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 with safe_open(path, framework="flax") as f:
                     tensors.update((name, np.asarray(f.get_tensor(name))) for name in f.keys())
             hf_config = read_hf_config(directory)
-            model = LOADERS[hf_config["model_type"]](hf_config, _Tensors(_TensorsInMemory(tensors, directory)), dtype)
+            model = LOADERS[hf_config["model_type"]](hf_config, _Tensors(TensorsInMemory(tensors, directory)), dtype)
             jax.block_until_ready(nnx.state(model))
             return sum(x.nbytes for x in tensors.values())
 

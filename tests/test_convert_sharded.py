@@ -13,8 +13,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch_file
 
-from focal_jax.convert.hf import _Tensors, from_hf
-from focal_jax.convert.safetensors_io import StoredTensors, read_safetensors
+from focal_jax.convert.hf import from_hf
+from focal_jax.convert.safetensors_io import StoredTensors, read_safetensors, tensors_equal
 from focal_jax.train.sharding import make_mesh, param_sharding, tree_shardings
 from test_llama_hf import make_hf
 
@@ -135,11 +135,20 @@ def test_from_hf_reads_each_shard_once_straight_onto_the_mesh(llama_dir, monkeyp
         np.testing.assert_allclose(logits, want(tokens), atol=1e-5)
 
 
-def test_from_hf_places_a_gpt2_checkpoint_on_the_mesh(gpt2_dir):
-    """GPT-2's fused c_attn is read whole and split; each q, k, v projection is then placed with its sharding."""
+def test_from_hf_reads_a_gpt2_checkpoint_onto_the_mesh_shard_by_shard(gpt2_dir, monkeypatch):
+    """GPT-2's fused c_attn `[d, 3d]` is read as the shards of its q, k and v parts (each `[d, d]` split over fsdp x
+    tensor: 4 distinct shards of `[d/2, d/2]` each, at their column offsets); the values equal `from_hf` on one
+    device, and in all exactly the checkpoint's bytes are read."""
     mesh = make_mesh(MESH)
+    reads = record_reads(monkeypatch)
     model = from_hf(gpt2_dir, sharding=param_sharding(mesh))
+    first_load = list(reads)
     check_on_mesh(model, mesh)
+    assert [shape for name, shape in first_load if name.endswith("h.0.attn.c_attn.weight")] == [(32, 32)] * 12
+    assert [shape for name, shape in first_load if name.endswith("h.0.attn.c_attn.bias")] == [(32,)] * 6
+    stored = StoredTensors(gpt2_dir)
+    assert "lm_head.weight" not in stored  # (else its comparison with wte would read more)
+    assert sum(int(np.prod(shape)) * 4 for _, shape in first_load) == stored.nbytes
     assert model.h[0].attn.k_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)),
                  nnx.to_pure_dict(nnx.state(from_hf(gpt2_dir))))
@@ -153,7 +162,7 @@ def test_a_tied_head_is_compared_in_blocks_of_rows(tmp_path, monkeypatch):
     head[99, 7] += 1.0
     save_file({"embed": embedding, "same": embedding, "head": head}, str(tmp_path / "model.safetensors"))
     reads = record_reads(monkeypatch)
-    tensors = _Tensors(StoredTensors(tmp_path))
-    assert tensors.equal("same", "embed", rows=32)
+    stored = StoredTensors(tmp_path)
+    assert tensors_equal(stored, "same", "embed", rows=32)
     assert [shape for _, shape in reads] == [(32, 8)] * 6 + [(4, 8)] * 2
-    assert not tensors.equal("head", "embed", rows=32)
+    assert not tensors_equal(stored, "head", "embed", rows=32)

@@ -13,10 +13,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from focal_jax.convert.safetensors_io import read_safetensors, to_array, variable_paths
+from focal_jax.convert.safetensors_io import (StoredTensors, TensorsInMemory, tensors_equal, to_array,
+                                              variable_paths)
 from focal_jax.nn.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from focal_jax.nn.variables import Centroid, Temperature
 
@@ -56,21 +56,31 @@ def config_from_hf(config_json: dict, **overrides) -> GPT2Config:
     return GPT2Config(**fields)
 
 
-def _strip_prefix(tensors: dict) -> tuple[dict, str]:
-    """Tensors keyed without the `transformer.` prefix (mask buffers and a tied lm_head dropped), and the prefix the
-    checkpoint uses ('' or 'transformer.'), so that errors name tensors as the checkpoint does."""
-    prefix = "transformer." if any(name.startswith("transformer.") for name in tensors) else ""
-    out = {}
-    for name, array in tensors.items():
+def _strip_prefix(stored) -> tuple[dict, str]:
+    """`{name without the 'transformer.' prefix: stored name}` of the tensors of `stored` (mask buffers and a tied
+    lm_head dropped), and the prefix the checkpoint uses ('' or 'transformer.'), so that errors name tensors as the
+    checkpoint does."""
+    prefix = "transformer." if any(name.startswith("transformer.") for name in stored) else ""
+    names = {}
+    for name in stored:
         key = name[len("transformer."):] if name.startswith("transformer.") else name
-        if key.endswith(_IGNORED_SUFFIXES):
-            continue
-        out[key] = array
-    head = out.pop("lm_head.weight", None)
-    if head is not None and "wte.weight" in out and not np.array_equal(head, out["wte.weight"]):
+        if not key.endswith(_IGNORED_SUFFIXES):
+            names[key] = name
+    head = names.pop("lm_head.weight", None)
+    if head is not None and "wte.weight" in names and not tensors_equal(stored, head, names["wte.weight"]):
         raise ValueError("the checkpoint's lm_head.weight differs from its wte.weight, which a tied GPT-2 uses as "
                          "its output head (untied GPT-2 heads are not supported)")
-    return out, prefix
+    return names, prefix
+
+
+def _columns(read, offset: int, width: int, ndim: int):
+    """The reader of the columns `offset:offset + width` of the tensor `read` reads (the fused c_attn, whose last
+    dimension holds q, k and v): the slice `[..., a:b]` of the part is `[..., offset + a:offset + b]` of the whole."""
+    def part(index):
+        index = tuple(index) + (slice(None),) * (ndim - len(index))
+        start, stop, step = index[-1].indices(width)
+        return read(index[:-1] + (slice(offset + start, offset + stop, step),))
+    return part
 
 
 def load_gpt2(directory, config_json: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
@@ -90,41 +100,44 @@ def load_gpt2(directory, config_json: dict, *, dtype=jnp.float32, rngs: nnx.Rngs
     Usage: `load_gpt2(path, json.load(open(path / "config.json")), kind="focus", focus_groups=4, focus_dim=16)`
     gives the checkpoint's GPT-2 with Focus attention (fresh Centroids) in every layer.
     """
-    return build_gpt2(config_json, read_safetensors(directory), dtype=dtype, rngs=rngs,
-                      source=os.fspath(directory), **overrides)
+    return build_gpt2(config_json, StoredTensors(directory), dtype=dtype, rngs=rngs, source=os.fspath(directory),
+                      **overrides)
 
 
-def build_gpt2(config_json: dict, tensors: dict, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+def build_gpt2(config_json: dict, tensors, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
                source: str = "the checkpoint", sharding=None, **overrides) -> GPT2:
-    """`load_gpt2` on tensors already read (a dict name -> numpy array, e.g. from `read_safetensors`).
+    """`load_gpt2` on tensors already read (a dict name -> numpy array, e.g. from `read_safetensors`), or on a
+    `StoredTensors` (read on demand).
 
     The model is built abstractly (`nnx.eval_shape`) and filled from the tensors; only when the config adds
     parameters the checkpoint cannot hold (Focus `Centroid`, Focal `Temperature`) is a model initialised for them.
-    sharding: None, or a function `(path, shape) -> Sharding` that places each checkpoint parameter
-    (`focal_jax.convert.hf.from_hf`).
+    sharding: None, or a function `(path, shape) -> Sharding` into which each checkpoint parameter is read, slice by
+    slice (`focal_jax.convert.hf.from_hf`).
     """
     config = config_from_hf(config_json, **overrides)
-    tensors, prefix = _strip_prefix(tensors)
+    stored = tensors if isinstance(tensors, StoredTensors) else TensorsInMemory(tensors, source)
+    names, prefix = _strip_prefix(stored)
     model = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
     paths = variable_paths(model)
     d = config.d_model
     used = set()
 
     def take(name, expected_shape):
-        if name not in tensors:
+        """The reader `index -> numpy` of tensor `name`, checked against `expected_shape`."""
+        if name not in names:
             raise ValueError(f"tensor {prefix + name!r} (expected shape {tuple(expected_shape)}) is missing from "
                              f"{source!r}")
-        array = np.asarray(tensors[name])
-        if tuple(array.shape) != tuple(expected_shape):
-            raise ValueError(f"tensor {prefix + name!r} in {source!r} has shape {tuple(array.shape)}, expected "
+        shape = stored.shape(names[name])
+        if shape != tuple(expected_shape):
+            raise ValueError(f"tensor {prefix + name!r} in {source!r} has shape {shape}, expected "
                              f"{tuple(expected_shape)}")
         used.add(name)
-        return array
+        return lambda index: stored.read(names[name], index)
 
-    def put(variable, array):
+    def put(variable, read):
         shape = tuple(variable.get_value().shape)
         place = None if sharding is None else sharding(paths[id(variable)], shape)
-        variable.set_value(to_array(lambda index: array[tuple(index)], shape, dtype, place))
+        variable.set_value(to_array(read, shape, dtype, place))
 
     def load(variable, name):
         put(variable, take(name, variable.get_value().shape))
@@ -141,8 +154,8 @@ def build_gpt2(config_json: dict, tensors: dict, *, dtype=jnp.float32, rngs: nnx
         c_attn_w = take(p + "attn.c_attn.weight", (d, 3 * d))
         c_attn_b = take(p + "attn.c_attn.bias", (3 * d,))
         for j, proj in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)):
-            put(proj.kernel, c_attn_w[:, j * d:(j + 1) * d])
-            put(proj.bias, c_attn_b[j * d:(j + 1) * d])
+            put(proj.kernel, _columns(c_attn_w, j * d, d, 2))
+            put(proj.bias, _columns(c_attn_b, j * d, d, 1))
         load(attn.o_proj.kernel, p + "attn.c_proj.weight")
         load(attn.o_proj.bias, p + "attn.c_proj.bias")
         load(block.mlp.c_fc.kernel, p + "mlp.c_fc.weight")
@@ -152,7 +165,7 @@ def build_gpt2(config_json: dict, tensors: dict, *, dtype=jnp.float32, rngs: nnx
     load(model.ln_f.scale, "ln_f.weight")
     load(model.ln_f.bias, "ln_f.bias")
 
-    unused = sorted(prefix + name for name in set(tensors) - used)
+    unused = sorted(prefix + name for name in set(names) - used)
     if unused:
         raise ValueError(f"tensors in {source!r} not used by GPT2 (n_layer={config.n_layers}): {unused[:8]}"
                          f"{' ...' if len(unused) > 8 else ''}")

@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from focal_jax.convert.gpt2 import build_gpt2
-from focal_jax.convert.safetensors_io import StoredTensors, to_array, variable_paths
+from focal_jax.convert.safetensors_io import StoredTensors, tensors_equal, to_array, variable_paths
 from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.variables import LoRA
@@ -59,19 +59,6 @@ class _Tensors:
         else:
             read = lambda index: self.stored.read(name, index)
         variable.set_value(to_array(read, expected, dtype, self.sharding_of(variable)))
-
-    def read_all(self) -> dict:
-        """Every tensor, whole (`{name: numpy array}`), all counted as used."""
-        self.used.update(self.stored)
-        return {name: self.stored.read(name) for name in self.stored}
-
-    def equal(self, a: str, b: str, rows: int = 4096) -> bool:
-        """Whether tensors `a` and `b` are equal, compared a block of `rows` rows at a time."""
-        shape = self.stored.shape(a)
-        if shape != self.stored.shape(b):
-            return False
-        blocks = [(slice(i, i + rows),) for i in range(0, shape[0], rows)] if shape else [()]
-        return all(np.array_equal(self.stored.read(a, block), self.stored.read(b, block)) for block in blocks)
 
     def check_all_used(self, ignore=()):
         unused = sorted(n for n in self.stored if n not in self.used and not any(s in n for s in ignore))
@@ -176,7 +163,7 @@ def load_llama(hf, tensors: _Tensors, dtype):
         tensors.assign(variable, name, transpose=transpose, dtype=dtype)
     ignore = ("rotary_emb.inv_freq",)
     if config.tie_embeddings and "lm_head.weight" in tensors.stored:  # a tied checkpoint may still store the copy
-        if not tensors.equal("lm_head.weight", "model.embed_tokens.weight"):
+        if not tensors_equal(tensors.stored, "lm_head.weight", "model.embed_tokens.weight"):
             raise ValueError(f"{tensors.directory!r} has tie_word_embeddings=true but an lm_head.weight that differs "
                              f"from model.embed_tokens.weight; set tie_word_embeddings=false in config.json if the "
                              f"separate head is meant")
@@ -187,7 +174,7 @@ def load_llama(hf, tensors: _Tensors, dtype):
 
 # model_type -> loader(hf_config dict, _Tensors, dtype) -> model.
 LOADERS = {
-    "gpt2": lambda hf, tensors, dtype: build_gpt2(hf, tensors.read_all(), dtype=dtype, source=tensors.directory,
+    "gpt2": lambda hf, tensors, dtype: build_gpt2(hf, tensors.stored, dtype=dtype, source=tensors.directory,
                                                   sharding=tensors.sharding),
     "llama": load_llama,
     "mistral": load_llama,
@@ -237,7 +224,7 @@ def from_hf(directory, *, dtype=jnp.float32, sharding=None, progress=None):
         of a parameter's path ('layers/0/self_attn/q_proj/kernel') and shape, e.g.
         `focal_jax.train.sharding.param_sharding(mesh)`: each parameter is then read straight into its sharding,
         this process reading from disk only the slices its own devices hold (a model larger than one process's
-        memory loads on a mesh). GPT-2 checkpoints are read whole, then placed.
+        memory loads on a mesh).
       progress: None, or a function given one line when the tensors are read (how many bytes, how long).
 
     Returns:

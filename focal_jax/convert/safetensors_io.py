@@ -126,6 +126,35 @@ class StoredTensors:
         return array
 
 
+class TensorsInMemory:
+    """`StoredTensors`' interface over tensors already read (`{name: numpy array}`, e.g. from `read_safetensors`)."""
+
+    def __init__(self, tensors: dict, directory: str = "the checkpoint"):
+        self.tensors, self.directory = tensors, directory
+
+    def __contains__(self, name) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def shape(self, name) -> tuple:
+        return tuple(np.shape(self.tensors[name]))
+
+    def read(self, name, index=()) -> np.ndarray:
+        return np.asarray(self.tensors[name])[tuple(index)]
+
+
+def tensors_equal(stored, a: str, b: str, rows: int = 4096) -> bool:
+    """Whether tensors `a` and `b` of `stored` (`StoredTensors` or `TensorsInMemory`) are equal, compared a block of
+    `rows` rows at a time (never two whole vocabulary-sized copies at once)."""
+    shape = stored.shape(a)
+    if shape != stored.shape(b):
+        return False
+    blocks = [(slice(i, i + rows),) for i in range(0, shape[0], rows)] if shape else [()]
+    return all(np.array_equal(stored.read(a, block), stored.read(b, block)) for block in blocks)
+
+
 def read_safetensors(directory) -> dict:
     """All tensors of the safetensors files of `directory` (`safetensors_files`) as numpy arrays in their stored
     dtype (bfloat16 as `jnp.bfloat16`). A tensor name found in two files is an error."""
