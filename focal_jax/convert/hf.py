@@ -23,6 +23,7 @@ from focal_jax.convert.gpt2 import build_gpt2
 from focal_jax.convert.safetensors_io import StoredTensors, tensors_equal, to_array, variable_paths
 from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
+from focal_jax.nn.models import unfilled_paths
 from focal_jax.nn.variables import LoRA
 
 
@@ -240,9 +241,7 @@ def from_hf(directory, *, dtype=jnp.float32, sharding=None, progress=None):
     start = time.perf_counter()
     stored = StoredTensors(directory)
     model = LOADERS[hf["model_type"]](hf, _Tensors(stored, sharding=sharding), dtype)
-    abstract = [path for path, x in nnx.to_flat_state(nnx.state(model))
-                if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
-    if abstract:
+    if abstract := unfilled_paths(model):
         raise ValueError(f"parameters not filled from the checkpoint: {abstract[:8]}")
     if progress is not None:
         progress(f"read {stored.bytes_read / 2**20:,.1f} MiB ({100 * stored.bytes_read / max(stored.nbytes, 1):.0f}%) "

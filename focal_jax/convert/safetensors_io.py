@@ -79,7 +79,8 @@ class StoredTensors:
         self._tensors = {}  # name -> (memory map of its file, data offset, byte range, numpy dtype, shape)
         for path in safetensors_files(self.directory):
             header, data_start = _read_header(path)
-            data = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) > data_start else None
+            size = os.path.getsize(path)
+            data = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else None
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
@@ -94,7 +95,7 @@ class StoredTensors:
                                      f"{sorted(DTYPES)}")
                 dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"])
                 begin, end = info["data_offsets"]
-                if end - begin != int(np.prod(shape)) * dtype.itemsize or data_start + end > os.path.getsize(path):
+                if end - begin != int(np.prod(shape)) * dtype.itemsize or data_start + end > size:
                     raise ValueError(f"tensor {name!r} in {path!r}: bytes {begin}..{end} do not hold a "
                                      f"{info['dtype']} tensor of shape {list(shape)} (or lie past the file's end)")
                 self._tensors[name] = (data, data_start, (begin, end), dtype, shape)

@@ -7,6 +7,7 @@
   [('h', 0, 'attn'), ('h', 1, 'attn')]
 """
 
+import jax
 from flax import nnx
 
 from focal_jax.nn.attention import Attention
@@ -18,6 +19,12 @@ def check_model(model) -> None:
     """Raises ValueError naming the type of `model` unless it is a focal_jax `Llama` or `GPT2`."""
     if not isinstance(model, (Llama, GPT2)):
         raise ValueError(f"model must be a focal_jax Llama or GPT2, got {type(model).__name__}")
+
+
+def unfilled_paths(model) -> list[tuple]:
+    """Paths of the variables of `model` that still hold an abstract `jax.ShapeDtypeStruct` (a model built by
+    `nnx.eval_shape` that a checkpoint was to fill), e.g. `[('layers', 0, 'mlp', 'up_proj', 'kernel')]`."""
+    return [path for path, x in nnx.to_flat_state(nnx.state(model)) if isinstance(x.get_value(), jax.ShapeDtypeStruct)]
 
 
 def attention_modules(model) -> list[tuple[tuple, Attention]]:

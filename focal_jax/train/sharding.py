@@ -107,12 +107,9 @@ def abstract_on_mesh(model, mesh: Mesh):
     """`model`, abstract (`nnx.eval_shape`), with each variable a `jax.ShapeDtypeStruct` that carries its sharding
     on `mesh` (the layout of `tree_shardings`), in place; returns `model`: a target that a checkpoint restores
     straight onto the mesh, each process reading only its own shards."""
-    shard = param_sharding(mesh)
-    for path, variable in nnx.iter_graph(model):
-        if isinstance(variable, nnx.Variable):
-            value = variable.get_value()
-            sharding = shard("/".join(map(str, path)), tuple(value.shape))
-            variable.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+    state = nnx.to_pure_dict(nnx.state(model))
+    nnx.update(model, jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                                   state, tree_shardings(state, mesh)))
     return model
 
 

@@ -25,7 +25,7 @@ from focal_jax.data.tokenizer import VocabSizeError, copy_tokenizer, tokenizer_f
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import Llama
-from focal_jax.nn.models import attention_layers
+from focal_jax.nn.models import attention_layers, unfilled_paths
 from focal_jax.nn.retrofit import NEW_TYPES, kmeans_centroids, kmeans_init, retrofit
 from focal_jax.nn.variables import Centroid, Temperature
 from focal_jax.train import checkpoint
@@ -281,8 +281,7 @@ def load_model(workdir: str, *, step: int | None = None, mesh=None):
         # A run from scratch whose checkpoints hold every parameter: restored straight onto the mesh, none drawn
         model = load_pretrained(abstract_on_mesh(nnx.eval_shape(lambda: init_model(run)), mesh), workdir,
                                 with_base=False, step=step)
-        if abstract := [path for path, x in nnx.to_flat_state(nnx.state(model))
-                        if isinstance(x.get_value(), jax.ShapeDtypeStruct)]:
+        if abstract := unfilled_paths(model):
             raise ValueError(f"the checkpoint of {workdir!r} did not fill {abstract[:4]}")
         return model
     with contextlib.nullcontext() if mesh is None else jax.default_device(host_device()):
