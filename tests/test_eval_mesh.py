@@ -35,8 +35,8 @@ def dense_run(tmp_path_factory):
 
 
 def on(tree) -> set:
-    """The devices that hold the leaves of `tree`."""
-    return {device for x in jax.tree.leaves(tree) for device in x.devices()}
+    """The devices that hold the arrays of `tree` (its abstract leaves hold none)."""
+    return {device for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for device in x.devices()}
 
 
 def check_placed(model, mesh):
@@ -96,20 +96,117 @@ def test_load_model_on_a_mesh_restores_a_run_from_scratch_straight_onto_it(focus
     jax.tree.map(np.testing.assert_array_equal, state, nnx.to_pure_dict(nnx.state(trainer.load_model(focus_run))))
 
 
-def test_load_model_on_a_mesh_builds_a_retrofit_in_host_memory_then_places_every_parameter(retrofit_run,
-                                                                                            monkeypatch):
-    """A retrofit of a focal_jax run: with the host device patched to CPU device 5 of 8, the model is built and
-    its base and its own checkpoint restored there, then every parameter is placed on the mesh; the values are
-    those of the model loaded on one device."""
+def test_load_model_on_a_mesh_restores_a_retrofit_of_a_run_straight_onto_it(retrofit_run, monkeypatch):
+    """A Focus retrofit of a focal_jax run from scratch: its checkpoint (the centroids) and its base's (the rest)
+    hold every parameter, so nothing is drawn or built in host memory. The base run's checkpoint is restored into
+    the abstract model first (the centroids stay abstract), then the retrofit's; the values are those of the model
+    loaded on one device."""
+    calls = spy_load_pretrained(monkeypatch)
+    monkeypatch.setattr(trainer, "host_device", lambda: pytest.fail("built in host memory"))
+    mesh = make_mesh(MESH)
+    placed = trainer.load_model(retrofit_run, mesh=mesh)
+    state = nnx.to_pure_dict(nnx.state(placed))
+    [(_, base_filled), (given, _)] = calls  # the base run's load returns within the retrofit's
+    for x, want in zip(jax.tree.leaves(given), jax.tree.leaves(tree_shardings(state, mesh)), strict=True):
+        assert isinstance(x, jax.ShapeDtypeStruct) and x.sharding == want
+    assert base_filled == set(jax.devices())
+    check_placed(placed, mesh)
+    jax.tree.map(np.testing.assert_array_equal, state, nnx.to_pure_dict(nnx.state(trainer.load_model(retrofit_run))))
+
+
+@pytest.mark.parametrize("kind", ["dense", "focus"])
+def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_straight_onto_it(
+        dense_run, retrofit_run, kind, monkeypatch):
+    """The trainer's start from a focal_jax run (`init_model(..., mesh=)`): a Focus retrofit of `dense_run`, whose
+    checkpoint holds every parameter of the dense architecture, restores it into the abstract model on the mesh
+    (nothing drawn) and draws only the retrofit's routing parameters. A model of attention kind 'focus' has routing
+    parameters the dense run lacks: it is drawn whole on the default device, then loaded. Either way the values
+    equal those of the model built without a mesh."""
+    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(retrofit_run)[1]))
+    if kind == "focus":
+        config.retrofit.focus = None
+        config.model.attn.update(kind="focus", focus_groups=2, focus_window=8)
+    run = trainer.check_config(config)
+    calls = spy_load_pretrained(monkeypatch)
+    mesh = make_mesh(MESH)
+    model = trainer.init_model(run, mesh=mesh)
+    [(given, devices)] = calls
+    leaves = jax.tree.leaves(given)
+    if kind == "dense":
+        assert all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding.mesh == mesh for x in leaves)
+        assert devices == set(jax.devices())
+        routing = nnx.to_pure_dict(nnx.state(model))["layers"][0]["self_attn"]
+        assert on([routing["centroids"], routing["w_g"]]) == {jax.devices()[0]}
+    else:
+        assert all(isinstance(x, jax.Array) for x in leaves) and devices == {jax.devices()[0]}
+    monkeypatch.undo()
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)),
+                 nnx.to_pure_dict(nnx.state(trainer.init_model(run))))
+
+
+@pytest.fixture(scope="module")
+def hf_retrofit_runs(dense_run, tmp_path_factory):
+    """`(directory, phase1, phase2)`: `dense_run` written as a Hugging Face directory, a Focus retrofit of it
+    (model family 'hf', the centroids trained for one step), and a second phase that starts from that run
+    (family 'hf', `init_from` the first phase's workdir) and trains the centroids one step more."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    directory = str(root / "hf")
+    hf.to_hf(trainer.load_model(dense_run), directory)
+    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
+    config.model = ml_collections.ConfigDict({"family": "hf"})
+    config.update(init_from=directory, total_steps=1)
+    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
+    config.optim.trainable = "centroids"
+    phase1 = str(root / "phase1")
+    train(config, phase1)
+    config.init_from = phase1
+    config.retrofit.focus = None
+    phase2 = str(root / "phase2")
+    train(config, phase2)
+    return directory, phase1, phase2
+
+
+def spy_reads(monkeypatch) -> list:
+    """The names of the tensors `StoredTensors.read` reads, one entry per read (a whole tensor or one slice)."""
+    reads, read = [], StoredTensors.read
+
+    def spied(self, name, index=()):
+        reads.append(name)
+        return read(self, name, index)
+
+    monkeypatch.setattr(StoredTensors, "read", spied)
+    return reads
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_load_model_on_a_mesh_reads_the_hugging_face_base_of_a_retrofit_straight_onto_it(hf_retrofit_runs, phase,
+                                                                                        monkeypatch):
+    """A retrofit of a Hugging Face directory (phase 1), and a run that starts from that retrofit (phase 2, whose
+    base is the whole model of phase 1): the directory's tensors are read slice by slice into their shards on the
+    mesh (the q projection as its 8 shards), and only phase 1's centroids are built in host memory (CPU device 5
+    of 8 here), then placed. The values are those of the model loaded on one device."""
+    directory, *phases = hf_retrofit_runs
+    workdir = phases[phase - 1]
+    reads = spy_reads(monkeypatch)
     calls = spy_load_pretrained(monkeypatch)
     monkeypatch.setattr(trainer, "host_device", lambda: jax.devices()[5])
     mesh = make_mesh(MESH)
-    placed = trainer.load_model(retrofit_run, mesh=mesh)
-    assert [devices for _, devices in calls] == [{jax.devices()[5]}] * 2  # the base run's, then the retrofit's
+    placed = trainer.load_model(workdir, mesh=mesh)
+    assert reads.count("model.layers.0.self_attn.q_proj.weight") == 8
+    assert len(calls) == phase  # each phase's own checkpoint (the centroids)
+    assert all(devices == set(jax.devices()) for _, devices in calls)
+    given = dict(jax.tree_util.tree_flatten_with_path(calls[0][0])[0])  # phase 1's model, as its checkpoint loads
+    centroids = [x for path, x in given.items() if "centroids" in jax.tree_util.keystr(path)]
+    q = [x for path, x in given.items() if "q_proj" in jax.tree_util.keystr(path)]
+    assert centroids and all(x.devices() == {jax.devices()[5]} for x in centroids)
+    assert q and all(x.sharding.mesh == mesh for x in q)
+    if phase == 2:  # phase 2 starts from phase 1's model placed on the mesh
+        assert on(calls[1][0]) == set(jax.devices())
     check_placed(placed, mesh)
-    assert on(nnx.state(placed)) == set(jax.devices())
-    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(placed)),
-                 nnx.to_pure_dict(nnx.state(trainer.load_model(retrofit_run))))
+    reads.clear()
+    alone = trainer.load_model(workdir)
+    assert reads.count("model.layers.0.self_attn.q_proj.weight") == 1
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(placed)), nnx.to_pure_dict(nnx.state(alone)))
 
 
 def test_perplexity_and_diagnostics_on_a_mesh_equal_one_device(focus_run, monkeypatch, tmp_path):
@@ -191,13 +288,7 @@ def test_a_hugging_face_directory_on_a_mesh(dense_run, tmp_path, monkeypatch):
     (`from_hf(..., sharding=)`), never whole onto one device; the logits equal those of `from_hf` on one device."""
     directory = str(tmp_path / "hf")
     hf.to_hf(trainer.load_model(dense_run), directory)
-    reads, read = [], StoredTensors.read
-
-    def spied(self, name, index=()):
-        reads.append(name)
-        return read(self, name, index)
-
-    monkeypatch.setattr(StoredTensors, "read", spied)
+    reads = spy_reads(monkeypatch)
     mesh = make_mesh(MESH)
     model = harness.hf_model(directory, mesh=mesh)
     check_placed(model, mesh)

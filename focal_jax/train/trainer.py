@@ -51,8 +51,8 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_d
     holds: a Hugging Face directory (its tensors read as `hf_dtype`; with a `mesh`, each straight into its sharding
     there, this process reading only its own shards; `progress` gets a line once they are read), or a focal_jax run
     directory (the whole model of that run at its checkpoint `base_step`, default the latest, rebuilt from its own
-    base with its retrofits and trained parameters: e.g. phase 2 of a retrofit whose phase 1 started from a Hugging
-    Face directory), its blocks rematerialised if `model.remat`."""
+    base with its retrofits and trained parameters, on `mesh` if one is given (`load_model`): e.g. phase 2 of a
+    retrofit whose phase 1 started from a Hugging Face directory), its blocks rematerialised if `model.remat`."""
     if run.family == "hf":
         if checkpoint.is_hf_directory(run.init_from):
             try:
@@ -62,7 +62,7 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_d
                 raise ConfigError(f"init_from={run.init_from!r}: {e}") from None
         else:
             log(f"model: the model of the run {run.init_from}")
-            model = load_model(run.init_from, step=base_step)
+            model = load_model(run.init_from, step=base_step, mesh=mesh)
         if run.hf_remat:
             model.config = dataclasses.replace(model.config, remat=True)
         return model
@@ -219,21 +219,56 @@ def init_model(run: RunConfig, *, base_step: int | None = None, hf_dtype=jnp.flo
     """The model a run starts from, before its own checkpoint: scratch or Hugging Face (`build_model`, a Hugging
     Face directory's tensors read as `hf_dtype`, onto `mesh` if one is given), then the pretrained `init_from`
     workdir's parameters (of its checkpoint `base_step`, default the latest), then the retrofits (Focal, Focus, then
-    LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). A Focus retrofit with `init='kmeans'`
-    gets random centroids here: a new run fits them once its parameters are on the mesh (`fit_kmeans_centroids`); a
-    resume or a stored run's model reads them from a checkpoint."""
+    LoRA: `retrofit` hands a `LoRAConfig` to `focal_jax.nn.lora.add_lora`). With a `mesh`, a model whose every
+    parameter the `init_from` workdir holds is not drawn: it is built abstractly and restored straight onto the
+    mesh (`restore_onto_mesh`). A Focus retrofit with `init='kmeans'` gets random centroids here: a new run fits
+    them once its parameters are on the mesh (`fit_kmeans_centroids`); a resume or a stored run's model reads them
+    from a checkpoint."""
     if base_step is not None:
         checkpoint.require_step(run.init_from, base_step, BASE_STEP_GONE)
-    model = build_model(run, seed=run.seed, base_step=base_step, hf_dtype=hf_dtype, mesh=mesh, progress=progress)
-    if run.init_from and run.family != "hf":
-        if checkpoint.is_hf_directory(run.init_from):
-            raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
-        load_pretrained(model, run.init_from, step=base_step)
+    pretrained = run.init_from and run.family != "hf"
+    if pretrained and checkpoint.is_hf_directory(run.init_from):
+        raise ConfigError(f"init_from={run.init_from!r} is a Hugging Face directory: set model.family='hf'")
+    model = None
+    if pretrained and mesh is not None:
+        model = restore_onto_mesh(lambda: build_model(run, seed=run.seed), run.init_from, step=base_step, mesh=mesh)
+    if model is None:
+        model = build_model(run, seed=run.seed, base_step=base_step, hf_dtype=hf_dtype, mesh=mesh, progress=progress)
+        if pretrained:
+            load_pretrained(model, run.init_from, step=base_step)
     for change in run.retrofit:
         if kmeans_init(change):
             change = dataclasses.replace(change, init="random")
         model = retrofit(model, change, rngs=run.seed)
     return model
+
+
+def restore_onto_mesh(make_model, workdir: str, *, step: int | None, mesh):
+    """The model `make_model()` builds, built abstractly (nothing drawn) with each variable carrying the trainer's
+    sharding on `mesh` (`abstract_on_mesh`), then filled by `load_pretrained` from checkpoint `step` of `workdir`
+    (default the latest) and the runs it started from: each process reads only its own shards. None, with nothing
+    read, when those checkpoints do not hold every variable of the model (`stored_param_paths`): it must then be
+    drawn (parameters a config adds, or a run from scratch stored before 0.6.9)."""
+    model = abstract_on_mesh(nnx.eval_shape(make_model), mesh)
+    if not set(param_paths(nnx.state(model))) <= stored_param_paths(workdir, step):
+        return None
+    model = load_pretrained(model, workdir, step=step)
+    if abstract := unfilled_paths(model):
+        raise ValueError(f"the checkpoints of {workdir!r} did not fill {abstract[:4]}")
+    return model
+
+
+def stored_param_paths(workdir: str, step: int | None = None) -> set[str]:
+    """The paths of the parameters that `load_pretrained(model, workdir, step=step)` fills: those of the checkpoint
+    (default the latest), and, for a run that saved only its trainable parameters, those of the run it started from
+    (at the step it started from, recursively)."""
+    step, meta = checkpoint.read_meta(workdir, step)
+    paths = set(checkpoint.saved_param_paths(workdir, step))
+    base = meta.get("init_from")
+    if meta.get("params_scope") == "trainable" and base and not checkpoint.is_hf_directory(base):
+        checkpoint.require_step(base, meta.get("init_from_step"), BASE_STEP_GONE)
+        paths |= stored_param_paths(base, meta.get("init_from_step"))
+    return paths
 
 
 def fit_kmeans_centroids(graphdef, trainable: dict, frozen: dict, batch: dict, *, seed: int,
@@ -269,21 +304,21 @@ def load_model(workdir: str, *, step: int | None = None, mesh=None):
 
     mesh: a `jax.sharding.Mesh` with axes `('data', 'fsdp', 'tensor')` (`focal_jax.train.sharding.make_mesh`), for
     evaluation on several devices (a model larger than one, or data-parallel), its parameters laid out as the
-    trainer lays them out. A run from scratch (no `init_from`, no retrofit), whose checkpoints hold every
-    parameter, is restored straight onto the mesh (`abstract_on_mesh`: nothing drawn, each process reading its own
-    shards). Any other run is built in host memory (`host_device`; a Hugging Face base is read straight onto the
-    mesh), then placed (`place_model`). Run it under `jax.set_mesh(mesh)`, so that the Pallas kernels run per
-    shard. Default: built on the default device."""
+    trainer lays them out. A run whose checkpoints (with those of the focal_jax runs it started from) hold every
+    parameter, e.g. a run from scratch or a retrofit of one, is restored straight onto the mesh
+    (`restore_onto_mesh`: nothing drawn, each process reading its own shards). A run from a Hugging Face directory
+    reads it straight onto the mesh, and its own checkpoint's parameters and any drawn ones are built in host memory
+    (`host_device`), then placed (`place_model`). Run it under `jax.set_mesh(mesh)`, so that the Pallas kernels run
+    per shard. Default: built on the default device."""
     checkpoint.require_step(workdir, step)
-    _, meta = checkpoint.read_meta(workdir, step)
+    step, meta = checkpoint.read_meta(workdir, step)
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
-    if mesh is not None and not run.init_from and not run.retrofit and meta.get("params_scope") == "all":
-        # A run from scratch whose checkpoints hold every parameter: restored straight onto the mesh, none drawn
-        model = load_pretrained(abstract_on_mesh(nnx.eval_shape(lambda: init_model(run)), mesh), workdir,
-                                with_base=False, step=step)
-        if abstract := unfilled_paths(model):
-            raise ValueError(f"the checkpoint of {workdir!r} did not fill {abstract[:4]}")
-        return model
+    if mesh is not None and run.family != "hf":
+        def make_model():
+            return init_model(dataclasses.replace(run, init_from=None))  # the architecture with its retrofits
+
+        if (model := restore_onto_mesh(make_model, workdir, step=step, mesh=mesh)) is not None:
+            return model
     with contextlib.nullcontext() if mesh is None else jax.default_device(host_device()):
         model = init_model(run, base_step=meta.get("init_from_step"), mesh=mesh)  # holds the run's init_from
         model = load_pretrained(model, workdir, with_base=False, step=step)
