@@ -75,11 +75,14 @@ def latest_step(workdir):
 
 
 def test_schedule_clip_and_decay_mask():
-    params = nnx.to_pure_dict(nnx.state(GPT2(GPT2Config(vocab_size=16, n_positions=8, d_model=8, n_layers=1,
-                                                         n_heads=2), rngs=nnx.Rngs(0)), nnx.Param))
+    config = GPT2Config(vocab_size=16, n_positions=8, d_model=8, n_layers=1, n_heads=2, kind="focal_learned",
+                        tau_granularity="head", tau_min=1.0, tau_max=2.0)
+    params = nnx.to_pure_dict(nnx.state(GPT2(config, rngs=nnx.Rngs(0)), nnx.Param))
     mask = {p: m for p, m in zip(param_paths(params), jax.tree.leaves(decay_mask(params)))}
     assert mask["h/0/attn/q_proj/kernel"] and mask["wte/embedding"]
     assert not mask["h/0/attn/q_proj/bias"] and not mask["h/0/ln_1/scale"] and not mask["ln_f/bias"]
+    assert np.ndim(params["h"][0]["attn"]["w_tau"]) == 2  # [d_model, n_heads]: a matrix, yet not decayed
+    assert not mask["h/0/attn/w_tau"] and not mask["h/0/attn/tau_bias"]
     # Zero gradients: AdamW moves only the decayed leaves (by lr * wd * param), never norms and biases.
     tx = make_optimizer(OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.5), total_steps=10)
     updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)

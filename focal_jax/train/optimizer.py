@@ -100,10 +100,17 @@ def path_str(path) -> str:
     return s[: -len("/value")] if s.endswith("/value") else s
 
 
+NO_DECAY = ("w_tau", "tau_bias")  # the learned temperature's parameters (`Temperature`), whatever their ndim
+
+
 def decay_mask(params) -> dict:
     """True for the leaves that get weight decay: matrices (ndim >= 2: the embeddings and projections, and W_g and C
-    of Focus); norms' scales, biases and the learned temperature's w_tau and tau_bias get none (FOCAL_SPEC OQ-F8)."""
-    return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+    of Focus); norms' scales, biases and the learned temperature's w_tau and tau_bias get none (FOCAL_SPEC OQ-F8:
+    decaying w_tau pulls tau toward the clip floor), also per head (`tau_granularity='head'`: w_tau
+    `[d_model, n_heads]`)."""
+    def decayed(path, x):
+        return jnp.ndim(x) >= 2 and path_str(path).rsplit("/", 1)[-1] not in NO_DECAY
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(config: OptimConfig, total_steps: int) -> optax.GradientTransformation:
