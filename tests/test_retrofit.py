@@ -5,6 +5,7 @@ parameter counts; Focal t = 1 is dense; bad settings are named."""
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -216,6 +217,24 @@ def test_focal_learned_adds_temperature(family):
     assert count_params(model, trainable_filter("temperature")) == LAYERS * (D + 1)  # optim.trainable's too
     assert float(_attention(model)[0].tau_bias[...]) == 6.5  # Attention's own init: middle of the range
     assert np.isfinite(_logits(model, _tokens(LONG))).all()
+
+
+def test_a_learned_temperature_range_above_sqrt_head_dim_is_warned_with_the_rescaled_one():
+    """The paper's clip range [5, 10] is tuned for head_dim 128 (sqrt = 11.3). GPT-2's heads are 64 wide: there
+    tau = 10 is softer than dense attention's sqrt(64) = 8, so the retrofit warns and names FOCAL_SPEC OQ-F6's
+    rescaled range. Head dim 128, the rescaled range, and a constant temperature do not warn."""
+    gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=16, d_model=128, n_layers=1, n_heads=2), rngs=nnx.Rngs(0))
+    with pytest.warns(UserWarning, match=re.escape(
+            "tau_max=10 > sqrt(head_dim=64) = 8: the learned temperature tau replaces sqrt(head_dim), so it may "
+            "attend more softly than dense attention. The paper's range [5, 10] is tuned for head_dim 128; for "
+            "head_dim 64 it is tau_min=3.536, tau_max=7.071")):
+        retrofit(gpt2, FocalConfig(learned=True))
+    settings = dict(d_model=256, n_heads=2, n_kv_heads=2, kind="focal_learned")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AttentionConfig(head_dim=128, **settings)
+        AttentionConfig(head_dim=64, tau_min=3.536, tau_max=7.071, **settings)
+        AttentionConfig(**{**settings, "kind": "focal"}, head_dim=16)
 
 
 # ----------------------------------------------------------------------------- gradients and optimizer state

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,18 @@ def _int(name, value, minimum):
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a finite number > 0, got {name}={value!r}")
+
+
+def softer_tau_note(tau_max: float, head_dim: int) -> str:
+    """Why a learned temperature's clip range whose `tau_max` is above sqrt(head_dim) is likely a mistake: tau
+    replaces sqrt(head_dim), so tau > sqrt(head_dim) attends more softly than dense attention. The paper's [5, 10]
+    is tuned for head_dim 128 (sqrt = 11.3); FOCAL_SPEC OQ-F6 rescales it by sqrt(head_dim / 128)."""
+    factor = math.sqrt(head_dim / 128)
+    return (f"kind='focal_learned' with tau_max={tau_max:g} > sqrt(head_dim={head_dim}) = {math.sqrt(head_dim):.3g}: "
+            f"the learned temperature tau replaces sqrt(head_dim), so it may attend more softly than dense attention. "
+            f"The paper's range [5, 10] is tuned for head_dim 128; for head_dim {head_dim} it is "
+            f"tau_min={5 * factor:.4g}, tau_max={10 * factor:.4g} (FOCAL_SPEC OQ-F6; "
+            f"focal_jax.configs.common.rescaled_tau_range)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +266,8 @@ class AttentionConfig:
             _positive(name, getattr(self, name))
         if not self.tau_min < self.tau_max:
             raise ValueError(f"tau_min must be < tau_max, got tau_min={self.tau_min}, tau_max={self.tau_max}")
+        if self.kind == "focal_learned" and self.tau_max > math.sqrt(self.head_dim):
+            warnings.warn(softer_tau_note(self.tau_max, self.head_dim), stacklevel=3)
         if self.window is not None:
             _int("window", self.window, 0)
             if self.kind in FOCUS_KINDS:
