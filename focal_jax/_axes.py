@@ -15,10 +15,10 @@ Outside `shard_map` and without an Explicit mesh these are no-ops.
 import contextlib
 import functools
 import math
+import sys
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -114,8 +114,11 @@ def leading_spec(x, n_leading: int, ndim: int) -> P:
 
 def _as_tree(value):
     """`value` as a pytree whose leaves can travel through `auto_axes`, and the function that rebuilds it: an
-    `nnx.Module` becomes its state (parameters placed on the Explicit mesh must travel too, not be captured)."""
-    if isinstance(value, nnx.Module):
+    `nnx.Module` becomes its state (parameters placed on the Explicit mesh must travel too, not be captured).
+    Flax is not imported here (the attention functions, which use this module, need no Flax): a value can only be an
+    `nnx.Module` once its caller has imported Flax."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(value, nnx.Module):
         graphdef, state = nnx.split(value)
         return state, lambda travelled: nnx.merge(graphdef, travelled)
     return value, lambda travelled: travelled

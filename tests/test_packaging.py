@@ -120,6 +120,19 @@ def test_no_module_imports_torch():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_attention_functions_import_no_flax():
+    """DESIGN.md: the pure attention functions need no Flax, nor the trainer's stack: importing
+    `focal_jax.attention` (in a fresh interpreter) loads none of flax, optax, orbax, grain or ml_collections, and
+    neither does calling one (which goes through `focal_jax._axes`)."""
+    code = ("import sys\nimport jax.numpy as jnp\nimport focal_jax.attention as fa\n"
+            "q = jnp.ones((1, 4, 2, 8))\nfa.focal_attention(q, q, q, temperature=0.5).block_until_ready()\n"
+            "print(sorted({name.split('.')[0] for name in sys.modules} & "
+            "{'flax', 'optax', 'orbax', 'grain', 'ml_collections'}))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_kernels_in_the_repository_root_is_the_installed_package(tmp_path):
     """Where Python runs in the repository root (`python -m`, pytest), its kernels/ (`focal_jax.kernels`) would also
     be a top-level `kernels` and shadow Hugging Face's package of that name, which transformers >= 5.25 imports: its
