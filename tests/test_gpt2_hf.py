@@ -271,3 +271,41 @@ def test_from_hf_dispatches_gpt2(hf_dir, dense):
     assert isinstance(model, GPT2)
     tokens = _tokens(2, LONG)
     np.testing.assert_allclose(_logits(model, tokens), _logits(dense, tokens), atol=1e-6)
+
+
+def test_to_hf_writes_gpt2_back_and_folds_a_constant_focal_temperature(hf_dir, dense, tmp_path):
+    """`to_hf` of GPT-2: the directory holds the checkpoint's tensors exactly (q, k and v fused back into
+    `c_attn`; the tied head not written), and transformers' logits equal the original's. With Focal attention at
+    t = 0.4 the q columns of `c_attn` are scaled by 1/t, and transformers' logits equal the Focal model's. A
+    learned temperature and a sliding window are refused by name."""
+    from focal_jax.convert.hf import from_hf, to_hf
+    from focal_jax.nn.retrofit import FocalConfig, replace_attention, retrofit
+    path, torch_model = hf_dir
+    tokens = _tokens(2, LONG)
+    to_hf(dense, str(tmp_path / "dense"), source=str(path))
+    written = load_file(str(tmp_path / "dense" / "model.safetensors"))
+    original = {name: x for name, x in load_file(str(path / "model.safetensors")).items()
+                if not name.endswith((".attn.bias", ".attn.masked_bias")) and name != "lm_head.weight"}
+    assert sorted(written) == sorted(original)
+    for name in original:
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense")).eval()
+    assert type(reloaded).__name__ == "GPT2LMHeadModel"
+    np.testing.assert_allclose(_torch_logits(reloaded, tokens), _torch_logits(torch_model, tokens), atol=1e-5)
+
+    focal = retrofit(from_hf(str(path)), FocalConfig(t=0.4))
+    to_hf(focal, str(tmp_path / "focal"))
+    written = load_file(str(tmp_path / "focal" / "model.safetensors"))
+    c_attn = original["transformer.h.0.attn.c_attn.weight"]
+    np.testing.assert_allclose(written["transformer.h.0.attn.c_attn.weight"][:, :D], c_attn[:, :D] / 0.4, rtol=1e-6)
+    np.testing.assert_array_equal(written["transformer.h.0.attn.c_attn.weight"][:, D:], c_attn[:, D:])
+    got = _torch_logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "focal")).eval(), tokens)
+    np.testing.assert_allclose(got, _logits(focal, tokens), atol=1e-4)
+    assert np.abs(got - _torch_logits(torch_model, tokens)).max() > 1e-2
+
+    with pytest.raises(ValueError, match="got kind='focal_learned'"):
+        to_hf(retrofit(from_hf(str(path)), FocalConfig(learned=True, tau_min=2.0, tau_max=4.0)),
+              str(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"cannot export GPT-2 with window=8: transformers' GPT-2 has no sliding"):
+        to_hf(replace_attention(from_hf(str(path)), window=8), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

@@ -143,10 +143,36 @@ def test_to_hf_paper_model_and_errors(tmp_path, tokens):
         assert json.load(f)["model_type"] == "qwen3"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert_close(hf_logits(reloaded, tokens), model(jnp.asarray(tokens)), atol=1e-4, what="paper tiny to_hf")
-    with pytest.raises(ValueError, match=r"kind='focal'"):
-        to_hf(Llama(focal_config("tiny", attn=dict(kind="focal")), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
+    with pytest.raises(ValueError, match=re.escape("to_hf needs attention kind 'dense' or 'focal' (a constant "
+                                                   "temperature, folded into the queries; transformers has no "
+                                                   "'focal_learned' attention), got kind='focal_learned'")):
+        to_hf(Llama(focal_config("tiny", attn=dict(kind="focal_learned", tau_min=1.0, tau_max=2.0)),
+                    rngs=nnx.Rngs(0)), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match=r"qkv_bias=True, qk_norm='head'"):
         to_hf(Llama(focal_config("tiny", qkv_bias=True), rngs=nnx.Rngs(0)), str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_to_hf_folds_a_constant_focal_temperature_into_the_queries(family, tokens, tmp_path):
+    """A model with Focal attention at t = 0.4 is written as dense attention whose queries are scaled by 1/t (the
+    q projection's weight and bias, or the q-norm gains of Qwen3 and OLMo-2); transformers' logits equal the Focal
+    model's, and differ from the dense model's, so the temperature is not lost."""
+    from focal_jax.nn.retrofit import FocalConfig, retrofit
+    hf = make_hf(family, str(tmp_path / "hf"))
+    model = retrofit(from_hf(str(tmp_path / "hf")), FocalConfig(t=0.4))
+    to_hf(model, str(tmp_path / "export"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    got, dense = hf_logits(reloaded, tokens), hf_logits(hf, tokens)
+    assert_close(got, model(jnp.asarray(tokens)), atol=1e-4, what=f"{family} focal to_hf")
+    assert np.abs(got - dense).max() > 1e-2
+    written = load_file(str(tmp_path / "export" / "model.safetensors"))
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    scaled = "q_norm.weight" if family in ("qwen3", "olmo2") else "q_proj.weight"
+    name = f"model.layers.0.self_attn.{scaled}"
+    np.testing.assert_allclose(written[name], original[name] / 0.4, rtol=1e-6)
+    unchanged = "model.layers.0.self_attn.k_proj.weight"
+    np.testing.assert_array_equal(written[unchanged], original[unchanged])
 
 
 def test_to_hf_refuses_to_drop_the_parameters_of_a_focus_or_focal_model_viewed_as_dense(tmp_path, tokens):

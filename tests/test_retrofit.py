@@ -227,8 +227,9 @@ def test_a_learned_temperature_range_above_sqrt_head_dim_is_warned_with_the_resc
     with pytest.warns(UserWarning, match=re.escape(
             "tau_max=10 > sqrt(head_dim=64) = 8: the learned temperature tau replaces sqrt(head_dim), so it may "
             "attend more softly than dense attention. The paper's range [5, 10] is tuned for head_dim 128; for "
-            "head_dim 64 it is tau_min=3.536, tau_max=7.071")):
+            "head_dim 64 it is tau_min=3.536, tau_max=7.071")) as record:
         retrofit(gpt2, FocalConfig(learned=True))
+    assert all("sqrt(head_dim=64)" in str(w.message) for w in record)  # not FocalConfig's check's own probe
     settings = dict(d_model=256, n_heads=2, n_kv_heads=2, kind="focal_learned")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -1,4 +1,5 @@
-"""Load a Hugging Face GPT-2 checkpoint (config.json + *.safetensors, never pickle) into `focal_jax.nn.gpt2.GPT2`.
+"""Load a Hugging Face GPT-2 checkpoint (config.json + *.safetensors, never pickle) into `focal_jax.nn.gpt2.GPT2`,
+and the tensors and config.json that write one back (`gpt2_tensors`, `gpt2_hf_config`, for `focal_jax.convert.hf.to_hf`).
 
 Hugging Face's GPT-2 uses `Conv1D`, whose weights are stored `[in, out]`, the layout of `nnx.Linear`'s kernel, so no
 transposes are needed. The fused `attn.c_attn` (`[d, 3d]`, bias `[3d]`) is split into q, k, v in that order. Tensor
@@ -13,6 +14,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from focal_jax.convert.safetensors_io import (StoredTensors, TensorsInMemory, tensors_equal, to_array,
@@ -187,3 +189,44 @@ def build_gpt2(config_json: dict, tensors, *, dtype=jnp.float32, rngs: nnx.Rngs 
 
         nnx.update(model, init(rngs if rngs is not None else nnx.Rngs(0)))
     return model
+
+
+def gpt2_tensors(model: GPT2) -> list[tuple[str, list]]:
+    """`(Hugging Face tensor name, [variables])` for every parameter of a dense `GPT2`, named as
+    `GPT2LMHeadModel` saves them (`transformer.` prefix; the head is tied to `wte`, so not written). A tensor is its
+    variables' values concatenated along the last axis: the fused `attn.c_attn` holds q, k and v, in that order."""
+    rows = [("wte.weight", [model.wte.embedding]), ("wpe.weight", [model.wpe.embedding])]
+    for i, block in enumerate(model.h):
+        p, attn = f"h.{i}.", block.attn
+        rows += [(p + "ln_1.weight", [block.ln_1.scale]), (p + "ln_1.bias", [block.ln_1.bias]),
+                 (p + "attn.c_attn.weight", [attn.q_proj.kernel, attn.k_proj.kernel, attn.v_proj.kernel]),
+                 (p + "attn.c_attn.bias", [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                 (p + "attn.c_proj.weight", [attn.o_proj.kernel]), (p + "attn.c_proj.bias", [attn.o_proj.bias]),
+                 (p + "ln_2.weight", [block.ln_2.scale]), (p + "ln_2.bias", [block.ln_2.bias]),
+                 (p + "mlp.c_fc.weight", [block.mlp.c_fc.kernel]), (p + "mlp.c_fc.bias", [block.mlp.c_fc.bias]),
+                 (p + "mlp.c_proj.weight", [block.mlp.c_proj.kernel]),
+                 (p + "mlp.c_proj.bias", [block.mlp.c_proj.bias])]
+    rows += [("ln_f.weight", [model.ln_f.scale]), ("ln_f.bias", [model.ln_f.bias])]
+    return [("transformer." + name, variables) for name, variables in rows]
+
+
+def gpt2_arrays(model: GPT2, *, q_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """`{name: array}` of `gpt2_tensors(model)`, each in its parameters' dtype; the q columns of every
+    `c_attn` (weight and bias) times `q_scale` (a constant Focal temperature folded in: `to_hf`)."""
+    arrays = {}
+    for name, variables in gpt2_tensors(model):
+        parts = [np.asarray(variable[...]) for variable in variables]
+        if q_scale != 1.0 and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            parts[0] = (parts[0].astype(np.float32) * q_scale).astype(parts[0].dtype)
+        arrays[name] = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    return arrays
+
+
+def gpt2_hf_config(config: GPT2Config, dtype: str) -> dict:
+    """The config.json of `GPT2LMHeadModel` for a `GPT2Config` (`config_from_hf` reads it back), parameters in
+    `dtype` ('float32', 'bfloat16', ...)."""
+    return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": config.vocab_size,
+            "n_positions": config.n_positions, "n_embd": config.d_model, "n_layer": config.n_layers,
+            "n_head": config.n_heads, "n_inner": config.d_ff, "activation_function": config.activation,
+            "layer_norm_epsilon": config.layer_norm_eps, "tie_word_embeddings": True, "torch_dtype": dtype,
+            "dtype": dtype}

@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from focal_jax.convert.gpt2 import build_gpt2
+from focal_jax.convert.gpt2 import build_gpt2, gpt2_arrays, gpt2_hf_config, gpt2_tensors
 from focal_jax.convert.safetensors_io import StoredTensors, tensors_equal, to_array, variable_paths
+from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
 from focal_jax.nn.models import unfilled_paths
@@ -293,9 +294,8 @@ SOURCE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.js
                 "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def _check_nothing_dropped(model, exported):
-    """Raise ValueError naming every parameter of `model` outside `exported` (`llama_tensors` rows)."""
-    written = {id(variable) for variable, _, _ in exported}
+def _check_nothing_dropped(model, written: set[int]):
+    """Raise ValueError naming every parameter of `model` whose variable's id is not in `written`."""
     dropped = [".".join(map(str, path)) for path, variable in nnx.iter_graph(model)
                if isinstance(variable, nnx.Param) and id(variable) not in written]
     if dropped:
@@ -305,11 +305,48 @@ def _check_nothing_dropped(model, exported):
                          f"allow_unused=True to write the dense model without them")
 
 
+def _llama_arrays(model, *, q_scale: float = 1.0) -> tuple[dict[str, np.ndarray], set[int]]:
+    """`({Hugging Face name: array}, ids of the variables written)` of a `Llama`; the queries times `q_scale` (a
+    constant Focal temperature folded in): the q-norm gains when the model has QK-norm (the projection's scale
+    would be normalised away), else the q projection's weight and bias."""
+    exported = list(llama_tensors(model))
+    q_names = ("self_attn.q_norm.weight",) if model.config.qk_norm else ("self_attn.q_proj.weight",
+                                                                          "self_attn.q_proj.bias")
+    arrays = {}
+    for variable, name, transpose in exported:
+        x = np.asarray(variable[...])
+        if q_scale != 1.0 and name.endswith(q_names):
+            x = (x.astype(np.float32) * q_scale).astype(x.dtype)
+        arrays[name] = x.T if transpose else x
+    return arrays, {id(variable) for variable, _, _ in exported}
+
+
+def _llama_hf_config(config: LlamaConfig, dtype: str) -> dict:
+    """The config.json of the transformers architecture that has a `Llama`'s features (`_hf_model_type`)."""
+    model_type = _hf_model_type(config)
+    return {
+        "model_type": model_type, "architectures": [_HF_ARCHITECTURES[model_type]],
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.intermediate,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.attention.n_kv_heads, "head_dim": config.attention.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta, "rope_parameters": _rope_parameters(config),
+        "attention_bias": False, "use_sliding_window": False,
+        "sliding_window": None if config.attention.window is None else config.attention.window + 1,
+        "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
 def to_hf(model, directory, *, source=None, allow_unused=False):
-    """Write a LLaMA-family `Llama` with dense attention as a Hugging Face directory (config.json +
-    model.safetensors, parameters in their own dtype) that `transformers.AutoModelForCausalLM.from_pretrained`
-    loads. The architecture is llama, mistral (when a sliding window is set), qwen2, qwen3 or olmo2, whichever has
-    the model's features.
+    """Write a `Llama` (LLaMA family) or `GPT2` with dense or constant-temperature Focal attention as a Hugging Face
+    directory (config.json + model.safetensors, parameters in their own dtype) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads. The architecture is gpt2, or llama, mistral (when a
+    sliding window is set), qwen2, qwen3 or olmo2, whichever has the model's features.
+
+    Focal attention with a constant temperature t (`kind='focal'`, `focal_t`) is written as dense attention with
+    the queries scaled by 1/t, which gives the same logits: `(q / t) . k * scale = q . k * scale / t` (RoPE is
+    linear). The factor goes into the q projection's weight and bias, or, in a model with QK-norm, into the q-norm
+    gains. In a bf16 model it rounds those parameters once more.
 
     source: the Hugging Face directory the model was loaded from (`from_hf`), or None. Its special token ids and
       `max_position_embeddings` (`SOURCE_FIELDS`) go into config.json, and its generation config and tokenizer
@@ -319,9 +356,10 @@ def to_hf(model, directory, *, source=None, allow_unused=False):
       model viewed as dense by `replace_attention(model, kind='dense', allow_unused=True)`); those parameters
       (`Centroid`s, routing projections, temperature weights) are left out of the directory.
 
-    Raises ValueError for attention kinds other than 'dense' (transformers has no Focal / Focus layers), for a logit
-    softcap, for a model holding LoRA parameters (`focal_jax.nn.lora.merge_lora` folds them into the kernels
-    first), and, unless `allow_unused`, for a model holding parameters the export would drop (naming them).
+    Raises ValueError for attention kinds other than 'dense' and 'focal' (transformers has no learned-Focal or Focus
+    layers), for a logit softcap, for a sliding window on GPT-2, for a model holding LoRA parameters
+    (`focal_jax.nn.lora.merge_lora` folds them into the kernels first), and, unless `allow_unused`, for a model
+    holding parameters the export would drop (naming them).
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"directory={directory!r} is a file; expected a directory to write the model into (it is "
@@ -335,39 +373,35 @@ def to_hf(model, directory, *, source=None, allow_unused=False):
             source_config = {k: v for k, v in json.load(f).items() if k in SOURCE_FIELDS}
     if not isinstance(allow_unused, bool):
         raise ValueError(f"allow_unused must be a bool, got allow_unused={allow_unused!r}")
-    if not isinstance(model, Llama):
-        raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama models, got {type(model).__name__}")
+    if not isinstance(model, (Llama, GPT2)):
+        raise ValueError(f"to_hf writes focal_jax.nn.llama.Llama and focal_jax.nn.gpt2.GPT2 models, got "
+                         f"{type(model).__name__}")
     if jax.tree.leaves(nnx.state(model, LoRA)):
         raise ValueError("the model holds LoRA parameters, which to_hf would drop: merge_lora(model) first "
                          "(focal_jax.nn.lora.merge_lora)")
-    config = model.config
-    if config.attention.kind != "dense":
-        raise ValueError(f"to_hf needs attention kind 'dense' (transformers has no {config.attention.kind!r} "
-                         f"attention), got kind={config.attention.kind!r}")
-    if config.attention.softcap is not None:
-        raise ValueError(f"to_hf cannot export softcap={config.attention.softcap!r}: the LLaMA family of transformers "
-                         f"has no logit softcap")
-    model_type = _hf_model_type(config)
-    exported = list(llama_tensors(model))
+    config, attention = model.config, model.config.attention
+    if attention.kind not in ("dense", "focal"):
+        raise ValueError(f"to_hf needs attention kind 'dense' or 'focal' (a constant temperature, folded into the "
+                         f"queries; transformers has no {attention.kind!r} attention), got kind={attention.kind!r}")
+    if attention.softcap is not None:
+        raise ValueError(f"to_hf cannot export softcap={attention.softcap!r}: transformers' "
+                         f"{'GPT-2' if isinstance(model, GPT2) else 'LLaMA family'} has no logit softcap")
+    q_scale = 1.0 / attention.focal_t if attention.kind == "focal" else 1.0
+    if isinstance(model, GPT2):
+        if attention.window is not None:
+            raise ValueError(f"to_hf cannot export GPT-2 with window={attention.window!r}: transformers' GPT-2 has "
+                             f"no sliding window")
+        tensors = gpt2_arrays(model, q_scale=q_scale)
+        written = {id(variable) for _, variables in gpt2_tensors(model) for variable in variables}
+        hf = gpt2_hf_config(config, str(tensors["transformer.wte.weight"].dtype))
+    else:
+        tensors, written = _llama_arrays(model, q_scale=q_scale)
+        hf = _llama_hf_config(config, str(tensors["model.embed_tokens.weight"].dtype))
     if not allow_unused:
-        _check_nothing_dropped(model, exported)
-    tensors = {name: np.asarray(variable[...]).T if transpose else np.asarray(variable[...])
-               for variable, name, transpose in exported}
-    dtype = str(np.asarray(model.embed_tokens.embedding[...]).dtype)
-    hf = {
-        "model_type": model_type, "architectures": [_HF_ARCHITECTURES[model_type]],
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.intermediate,
-        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.attention.n_kv_heads, "head_dim": config.attention.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta, "rope_parameters": _rope_parameters(config),
-        "attention_bias": False, "use_sliding_window": False,
-        "sliding_window": None if config.attention.window is None else config.attention.window + 1,
-        "torch_dtype": dtype, "dtype": dtype,
-    }
+        _check_nothing_dropped(model, written)
     hf.update(source_config)
-    if config.attention.rope_trained_len is not None:
-        hf["max_position_embeddings"] = config.attention.rope_trained_len
+    if isinstance(model, Llama) and attention.rope_trained_len is not None:
+        hf["max_position_embeddings"] = attention.rope_trained_len
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)

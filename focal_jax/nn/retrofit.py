@@ -32,6 +32,7 @@ projections), so their initialisation cannot drift from the module's.
 import dataclasses
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +62,12 @@ _PROBE = dict(d_model=1, n_heads=1, n_kv_heads=1, head_dim=2, rope_theta=None)
 
 
 def _validate(cls_name, fields, renames):
-    """Build an AttentionConfig with `fields`; re-raise its ValueError with our field names (`renames`)."""
+    """Build an AttentionConfig with `fields`; re-raise its ValueError with our field names (`renames`). Its
+    warnings are not passed on: they would speak of the probe's head_dim, not the model's."""
     try:
-        AttentionConfig(**_PROBE, **fields)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            AttentionConfig(**_PROBE, **fields)
     except ValueError as e:
         message = str(e)
         for theirs, ours in renames.items():
