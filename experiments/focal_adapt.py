@@ -19,8 +19,10 @@ Table 2 is the LM-eval average of both runs next to the t = 0.4 model trained fr
 
 Where the paper is silent, we chose: the schedule is not stated, so 100 linear warmup steps then a constant LR
 (FOCAL_SPEC.md section 3.5, project default); the optimizer state starts fresh (the base run's is not loaded); the
-data is the base run's corpus, continued (give the same `data=`), read with the base run's tokenizer
-(INIT_FROM/tokenizer.model) and packed as it packed (`data.doc_mask`). `impl` as in `focal_scaling.py`.
+data is the base run's corpus (give the same `data=`), read with the base run's tokenizer (INIT_FROM/tokenizer.model)
+and packed as it packed (`data.doc_mask`). It is read again from its start: the trainer does not carry a base run's
+position in its data over, so the adaptation's 1.3B tokens are among the first the base run saw, not new ones (the
+paper's continuation presumably read on). `impl` as in `focal_scaling.py`.
 
 Arguments: init_from (the baseline's workdir; required), t (0.4 adapted, 1.0 the control), size (the base model's
 size, default 2.7B), data (a glob of training files; default the builtin corpus), impl, runlocal.

@@ -23,7 +23,10 @@ config): reuse those if they exist. Figure 8 plots the LM-eval average of each r
 
 Where the paper is silent, we chose: the model size and token budget of the tau ablation are not stated, so it uses
 the same 2.7B / 26B setup (FOCAL_SPEC.md section 6, inferred); t = 1 runs the plain dense attention (bit-identical
-to focal with t = 1). Data, tokenizer, learned-tau form and `impl` as in `focal_scaling.py`.
+to focal with t = 1). The learned temperature starts at the middle of its clip (the bias b_tau, FOCAL_SPEC OQ-F4),
+so the tau ablation moves the starting tau with the clip as well (5.5 at tau_min = 1, 7.5 at 5, 8.5 at 7; 8.155 at
+tau_max = 11.31): it varies both, where the paper's literal form (no bias) starts every arm at tau_min. Data,
+tokenizer, learned-tau form and `impl` as in `focal_scaling.py`.
 
 Arguments: t (the constant temperature; 1.0 is the baseline), learned (use the learned temperature instead),
 tau_min, tau_max (its clip, only with learned), size (default 2.7B), data, impl, runlocal.

@@ -46,7 +46,8 @@ the group sizes, confidence and top tokens of each layer.
 
 Where the paper is silent, we chose (FOCUS_SPEC.md OQ-7): AdamW at LR 5e-5 (the top of the 1e-5 to 5e-5 range; the
 paper's full fine-tuning baseline moves GPT-2 from 42.8 to 36.4 PPL in 4000 steps in Table 1, and reaches 31.4 in
-Table 5, steps not stated), 100 warmup steps, cosine to 10%, no weight decay, batch 8; that Table 5 used the
+Table 5, steps not stated), 100 warmup steps, cosine to 10%, no weight decay, batch 8, and the rest of the Focal
+paper's recipe (`common.base_config`: betas (0.9, 0.95), global-norm clip 1.0, bf16 compute); that Table 5 used the
 two-phase protocol (inferred in section 6.2); the phase-2 data and tokenizer are phase 1's unless `data=` is given.
 The data names: PG-19 (one book per .txt file), WikiText-103 and OpenWebText (parquet files with a 'text' column).
 

@@ -25,7 +25,10 @@ iterations, the Eq. 2 gate with lambda 10: OQ-1) and non-causal routing as the p
 form, which leaks nothing from later tokens); sequences of 1024 tokens (the length of all its other experiments),
 batches of 0.26M tokens (256 x 1024), 7630 steps (2.0B tokens); the Focal paper's optimizer (AdamW 0.9 / 0.95,
 weight decay 0.05, clip 1.0, cosine to 10%) with 750 warmup steps (a tenth of the run) and peak LR 3e-4 (LLaMA-7B's)
-for Mistral-7B; Mistral's RoPE theta 10K without its sliding window; a 32000-piece BPE trained on the corpus, or
+for Mistral-7B; weights drawn from N(0, 0.02^2) and RMSNorm eps 1e-5 at either size (Mistral's initializer_range
+and eps, and the Focal paper's recipe, FOCAL_SPEC.md section 2; before 0.6.28, Flax's LeCun normal, and eps 1e-6
+at a Focal paper size: to resume such a run there, add `--config.model.norm_eps=1e-6`); Mistral's RoPE theta 10K
+without its sliding window; a 32000-piece BPE trained on the corpus, or
 Mistral's tokenizer with `--config.data.tokenizer=PATH/tokenizer.model`.
 
 Arguments: size (mistral-7b, or a Focal paper size: 400M ... 9.5B), attn (focus | dense), groups (K), dim (d_g),
@@ -53,10 +56,10 @@ def get_config(arg=None):
         attn = {"kind": "dense"}
     config = common.base_config()
     if arg.size == "mistral-7b":
-        config.model = {"family": "llama", **common.MISTRAL_7B, "attn": attn}
+        config.model = {"family": "llama", **common.MISTRAL_7B, "attn": attn, "init_std": 0.02}
         config.optim.lr = 3e-4
     else:
-        config.model = {"family": "llama", "size": arg.size, "attn": attn}
+        config.model = {"family": "llama", "size": arg.size, "attn": attn, "norm_eps": 1e-5, "init_std": 0.02}
         config.optim.lr = common.FOCAL_LR[arg.size]
     config.optim.warmup_steps = 750
     config.data.update(source="builtin", vocab_size=32000, seq_len=1024)

@@ -10,6 +10,8 @@ Our choices where the paper is silent (it gives neither the targets, alpha nor t
   (768 + 768) = 147,456 at r = 4 and 589,824 at r = 16, equal to LoRA on the fused c_attn; Mistral: 1,703,936 at
   r = 4); `targets=qkvo` adapts all four projections.
 - alpha = 2 r (update scale 2), the common choice; `alpha=` sets it.
+- the optimizer of `focus_retrofit.py`: 100 warmup steps, no weight decay, betas (0.9, 0.95), clip 1.0, cosine
+  decay to 10%, bf16 compute (the Focal paper's recipe, `common.base_config`).
 - lr 1e-4: the largest LoRA LR the paper reports (Table 4); `lr=1e-5` / `5e-5` give its other rows, and `steps=2000`
   its Mistral run length.
 

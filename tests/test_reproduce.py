@@ -37,7 +37,7 @@ def test_one_study_end_to_end(tmp_path):
                            "--workdirs", str(tmp_path / "runs"), "--out", str(out), "--markdown", str(markdown)])
     assert done["focus_scratch"] == str(out / "focus_scratch.json"), done
     result = json.loads((out / "focus_scratch.json").read_text())
-    assert result["study"] == "focus_scratch" and len(result["claims"]) == 2
+    assert result["study"] == "focus_scratch" and len(result["claims"]) == 3
     assert all(c["holds"] in ("yes", "no", "unclear", "n/a") for c in result["claims"])
     noise = result["noise"]
     assert noise["spread"] == abs(noise["loss_seed0"] - noise["loss_seed1"]) > 0  # two seeds differ
@@ -48,7 +48,7 @@ def test_one_study_end_to_end(tmp_path):
         "perplexity"]
     rows = [line for line in markdown.read_text().splitlines() if line.startswith("| ")]
     scratch = [r for r in rows if r.startswith("| focus_scratch |")]
-    assert len(scratch) == 2 and all("**" in r for r in scratch)
+    assert len(scratch) == 3 and all("**" in r for r in scratch)
     assert result["claims"][0]["ours"].replace("|", "\\|") in scratch[0]
     focal = [r for r in rows if r.startswith("| focal |")]
     assert len(focal) == 1 and "not run yet" in focal[0] and "--only focal`" in focal[0]
