@@ -1,5 +1,6 @@
 """Load a Hugging Face GPT-2 checkpoint (config.json + *.safetensors, never pickle) into `focal_jax.nn.gpt2.GPT2`,
-and the tensors and config.json that write one back (`gpt2_tensors`, `gpt2_hf_config`, for `focal_jax.convert.hf.to_hf`).
+and the tensors and config.json that write one back (`gpt2_tensors`, `gpt2_arrays`, `gpt2_hf_config`, for
+`focal_jax.convert.hf.to_hf`).
 
 Hugging Face's GPT-2 uses `Conv1D`, whose weights are stored `[in, out]`, the layout of `nnx.Linear`'s kernel, so no
 transposes are needed. The fused `attn.c_attn` (`[d, 3d]`, bias `[3d]`) is split into q, k, v in that order. Tensor
