@@ -1,9 +1,9 @@
 """Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` restore a
-run from scratch straight onto the mesh, or build the model in host memory (`trainer.host_device()`) and place its
-parameters on the mesh as the trainer does (`sharding.place_model`; a Hugging Face directory is read straight onto
-the mesh), and each batch's rows are split over the data and fsdp axes; perplexity, diagnostics, decoding (recall)
-and a Hugging Face directory (harness `--hf`) then give what they give on one device. 8 fake CPU devices
-(conftest)."""
+run whose checkpoints hold every parameter (a run from scratch, a retrofit of one) straight onto the mesh, or build
+the model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
+(`sharding.place_model`; a Hugging Face directory is read straight onto the mesh), and each batch's rows are split
+over the data and fsdp axes; perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
+then give what they give on one device. 8 fake CPU devices (conftest)."""
 
 import json
 
@@ -115,8 +115,8 @@ def test_load_model_on_a_mesh_restores_a_retrofit_of_a_run_straight_onto_it(retr
 
 
 @pytest.mark.parametrize("kind", ["dense", "focus"])
-def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_straight_onto_it(
-        dense_run, retrofit_run, kind, monkeypatch):
+def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_straight_onto_it(retrofit_run, kind,
+                                                                                               monkeypatch):
     """The trainer's start from a focal_jax run (`init_model(..., mesh=)`): a Focus retrofit of `dense_run`, whose
     checkpoint holds every parameter of the dense architecture, restores it into the abstract model on the mesh
     (nothing drawn) and draws only the retrofit's routing parameters. A model of attention kind 'focus' has routing
