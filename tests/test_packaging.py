@@ -103,6 +103,13 @@ def test_every_module_imports():
             assert f"focal_jax[{EXTRA_MODULES[name]}]" in str(error), error
 
 
+def last_line_printed(code: str) -> str:
+    """The last line `code` prints when run in a fresh interpreter, which must succeed."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
 def test_no_module_imports_torch():
     """tensorboardX imports torch wherever torch is installed (2 s on this machine; on a GPU machine, torch's CUDA
     libraries before jax's), so only the process that writes metrics imports it: importing every module of the
@@ -115,9 +122,7 @@ def test_no_module_imports_torch():
             "        except ModuleNotFoundError:\n"
             "            pass  # an extra's adapter, where the extra is not installed\n"
             "print(sorted(name for name in ('torch', 'tensorboardX') if name in sys.modules))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert last_line_printed(code) == "[]"
 
 
 def test_the_attention_functions_import_no_flax():
@@ -128,9 +133,7 @@ def test_the_attention_functions_import_no_flax():
             "q = jnp.ones((1, 4, 2, 8))\nfa.focal_attention(q, q, q, temperature=0.5).block_until_ready()\n"
             "print(sorted({name.split('.')[0] for name in sys.modules} & "
             "{'flax', 'optax', 'orbax', 'grain', 'ml_collections'}))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert last_line_printed(code) == "[]"
 
 
 def test_kernels_in_the_repository_root_is_the_installed_package(tmp_path):
