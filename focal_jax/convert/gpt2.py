@@ -1,5 +1,5 @@
 """Load a Hugging Face GPT-2 checkpoint (config.json + *.safetensors, never pickle) into `focal_jax.nn.gpt2.GPT2`,
-and the tensors and config.json that write one back (`gpt2_tensors`, `gpt2_arrays`, `gpt2_hf_config`, for
+and the tensors and config.json that write one back (`gpt2_tensors`, `gpt2_hf_config`, for
 `focal_jax.convert.hf.to_hf`).
 
 Hugging Face's GPT-2 uses `Conv1D`, whose weights are stored `[in, out]`, the layout of `nnx.Linear`'s kernel, so no
@@ -15,7 +15,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from focal_jax.convert.safetensors_io import (StoredTensors, TensorsInMemory, tensors_equal, to_array,
@@ -209,18 +208,6 @@ def gpt2_tensors(model: GPT2) -> list[tuple[str, list]]:
                  (p + "mlp.c_proj.bias", [block.mlp.c_proj.bias])]
     rows += [("ln_f.weight", [model.ln_f.scale]), ("ln_f.bias", [model.ln_f.bias])]
     return [("transformer." + name, variables) for name, variables in rows]
-
-
-def gpt2_arrays(model: GPT2, *, q_scale: float = 1.0) -> dict[str, np.ndarray]:
-    """`{name: array}` of `gpt2_tensors(model)`, each in its parameters' dtype; the q columns of every
-    `c_attn` (weight and bias) times `q_scale` (a constant Focal temperature folded in: `to_hf`)."""
-    arrays = {}
-    for name, variables in gpt2_tensors(model):
-        parts = [np.asarray(variable[...]) for variable in variables]
-        if q_scale != 1.0 and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            parts[0] = (parts[0].astype(np.float32) * q_scale).astype(parts[0].dtype)
-        arrays[name] = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    return arrays
 
 
 def gpt2_hf_config(config: GPT2Config, dtype: str) -> dict:

@@ -19,12 +19,12 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from focal_jax.convert.gpt2 import build_gpt2, gpt2_arrays, gpt2_hf_config, gpt2_tensors
+from focal_jax.convert.gpt2 import build_gpt2, gpt2_hf_config, gpt2_tensors
 from focal_jax.convert.safetensors_io import StoredTensors, tensors_equal, to_array, variable_paths
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.layers import float_dtype
 from focal_jax.nn.llama import Llama, LlamaConfig
-from focal_jax.nn.models import unfilled_paths
+from focal_jax.nn.models import attention_layers, unfilled_paths
 from focal_jax.nn.variables import LoRA
 
 
@@ -305,20 +305,14 @@ def _check_nothing_dropped(model, written: set[int]):
                          f"allow_unused=True to write the dense model without them")
 
 
-def _llama_arrays(model, *, q_scale: float = 1.0) -> tuple[dict[str, np.ndarray], set[int]]:
-    """`({Hugging Face name: array}, ids of the variables written)` of a `Llama`; the queries times `q_scale` (a
-    constant Focal temperature folded in): the q-norm gains when the model has QK-norm (the projection's scale
-    would be normalised away), else the q projection's weight and bias."""
-    exported = list(llama_tensors(model))
-    q_names = ("self_attn.q_norm.weight",) if model.config.qk_norm else ("self_attn.q_proj.weight",
-                                                                          "self_attn.q_proj.bias")
-    arrays = {}
-    for variable, name, transpose in exported:
-        x = np.asarray(variable[...])
-        if q_scale != 1.0 and name.endswith(q_names):
-            x = (x.astype(np.float32) * q_scale).astype(x.dtype)
-        arrays[name] = x.T if transpose else x
-    return arrays, {id(variable) for variable, _, _ in exported}
+def _query_scales(model) -> set[int]:
+    """The ids of the variables that scale every attention layer's queries: the q-norm gains in a model with
+    QK-norm (a factor on the projection would be normalised away), else the q projection's kernel and bias."""
+    ids = set()
+    for attn in attention_layers(model):
+        scales = [attn.q_norm.scale] if attn.config.qk_norm else [attn.q_proj.kernel, attn.q_proj.bias]
+        ids |= {id(variable) for variable in scales if variable is not None}
+    return ids
 
 
 def _llama_hf_config(config: LlamaConfig, dtype: str) -> dict:
@@ -386,16 +380,24 @@ def to_hf(model, directory, *, source=None, allow_unused=False):
     if attention.softcap is not None:
         raise ValueError(f"to_hf cannot export softcap={attention.softcap!r}: transformers' "
                          f"{'GPT-2' if isinstance(model, GPT2) else 'LLaMA family'} has no logit softcap")
-    q_scale = 1.0 / attention.focal_t if attention.kind == "focal" else 1.0
+    scaled = _query_scales(model) if attention.kind == "focal" else set()
+
+    def value(variable) -> np.ndarray:
+        x = np.asarray(variable[...])
+        return (x.astype(np.float32) * (1.0 / attention.focal_t)).astype(x.dtype) if id(variable) in scaled else x
+
     if isinstance(model, GPT2):
         if attention.window is not None:
             raise ValueError(f"to_hf cannot export GPT-2 with window={attention.window!r}: transformers' GPT-2 has "
                              f"no sliding window")
-        tensors = gpt2_arrays(model, q_scale=q_scale)
-        written = {id(variable) for _, variables in gpt2_tensors(model) for variable in variables}
+        rows = gpt2_tensors(model)
+        tensors = {name: np.concatenate([value(v) for v in variables], axis=-1) for name, variables in rows}
+        written = {id(v) for _, variables in rows for v in variables}
         hf = gpt2_hf_config(config, str(tensors["transformer.wte.weight"].dtype))
     else:
-        tensors, written = _llama_arrays(model, q_scale=q_scale)
+        rows = list(llama_tensors(model))
+        tensors = {name: value(v).T if transpose else value(v) for v, name, transpose in rows}
+        written = {id(v) for v, _, _ in rows}
         hf = _llama_hf_config(config, str(tensors["model.embed_tokens.weight"].dtype))
     if not allow_unused:
         _check_nothing_dropped(model, written)

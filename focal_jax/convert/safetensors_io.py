@@ -46,8 +46,9 @@ def safetensors_files(directory) -> list[str]:
     return paths
 
 
-def _read_header(path: str) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and the offset its data starts at. ValueError if it is not one."""
+def _read_header(path: str) -> tuple[dict, int, int]:
+    """The JSON header of a safetensors file, the offset its data starts at and the file's size. ValueError if it
+    is not one."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -61,7 +62,7 @@ def _read_header(path: str) -> tuple[dict, int]:
             raise ValueError(f"{path!r} is not a safetensors file: its header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path!r} is not a safetensors file: its header is not a JSON object")
-    return header, 8 + length
+    return header, 8 + length, size
 
 
 class StoredTensors:
@@ -78,8 +79,7 @@ class StoredTensors:
         self.bytes_read = 0
         self._tensors = {}  # name -> (memory map of its file, data offset, byte range, numpy dtype, shape)
         for path in safetensors_files(self.directory):
-            header, data_start = _read_header(path)
-            size = os.path.getsize(path)
+            header, data_start, size = _read_header(path)
             data = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else None
             for name, info in header.items():
                 if name == "__metadata__":
