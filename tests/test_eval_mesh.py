@@ -1,9 +1,10 @@
-"""Evaluation of a model larger than one device: `load_model(..., mesh=)` and the command lines' `--mesh` restore a
-run whose checkpoints hold every parameter (a run from scratch, a retrofit of one) straight onto the mesh, or build
-the model in host memory (`trainer.host_device()`) and place its parameters on the mesh as the trainer does
-(`sharding.place_model`; a Hugging Face directory is read straight onto the mesh), and each batch's rows are split
-over the data and fsdp axes; perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`)
-then give what they give on one device. 8 fake CPU devices (conftest)."""
+"""Models larger than one device. A model from scratch is drawn straight onto the mesh (`drawn_on_mesh`). For
+evaluation, `load_model(..., mesh=)` and the command lines' `--mesh` restore a run whose checkpoints hold every
+parameter (a run from scratch, a retrofit of one) straight onto the mesh, or build the model in host memory
+(`trainer.host_device()`) and place its parameters on the mesh as the trainer does (`sharding.place_model`; a Hugging
+Face directory is read straight onto the mesh), and each batch's rows are split over the data and fsdp axes;
+perplexity, diagnostics, decoding (recall) and a Hugging Face directory (harness `--hf`) then give what they give on
+one device. 8 fake CPU devices (conftest)."""
 
 import json
 
@@ -50,6 +51,30 @@ def check_placed(model, mesh):
     q = state["layers"][0]["self_attn"]["q_proj"]["kernel"]
     assert q.sharding.spec == P("fsdp", "tensor")
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_from_scratch_is_drawn_straight_onto_the_mesh_as_on_one_device(dense_run, family):
+    """`build_model(run, mesh=)` for a run from scratch draws each parameter into its sharding on the mesh
+    (`drawn_on_mesh`), bit for bit the draws of `build_model` without a mesh, and the seed's draws of the model's
+    own constructor outside jit to float32 rounding."""
+    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
+    if family == "gpt2":
+        config.model = {"family": "gpt2", "vocab_size": 64, "n_positions": 32, "d_model": 32, "n_layers": 2,
+                        "n_heads": 4}
+    run = trainer.check_config(config)
+    mesh = make_mesh(MESH)
+    drawn = nnx.to_pure_dict(nnx.state(trainer.build_model(run, seed=3, mesh=mesh)))
+    for x, want in zip(jax.tree.leaves(drawn), jax.tree.leaves(tree_shardings(drawn, mesh)), strict=True):
+        assert x.sharding == want
+    assert any(x.sharding.spec != P() for x in jax.tree.leaves(drawn))
+    jax.tree.map(np.testing.assert_array_equal, drawn, nnx.to_pure_dict(nnx.state(trainer.build_model(run, seed=3))))
+    cls = trainer.GPT2 if family == "gpt2" else trainer.Llama
+    eager = nnx.to_pure_dict(nnx.state(cls(run.model, rngs=nnx.Rngs(3))))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), drawn, eager)
+    other_seed = jax.tree.leaves(nnx.to_pure_dict(nnx.state(trainer.build_model(run, seed=4))))
+    random = [(x, y) for x, y in zip(jax.tree.leaves(drawn), other_seed) if np.std(x) > 0]  # not ones or zeros
+    assert random and not any(np.array_equal(x, y) for x, y in random)
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +145,8 @@ def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_str
     """The trainer's start from a focal_jax run (`init_model(..., mesh=)`): a Focus retrofit of `dense_run`, whose
     checkpoint holds every parameter of the dense architecture, restores it into the abstract model on the mesh
     (nothing drawn) and draws only the retrofit's routing parameters. A model of attention kind 'focus' has routing
-    parameters the dense run lacks: it is drawn whole on the default device, then loaded. Either way the values
-    equal those of the model built without a mesh."""
+    parameters the dense run lacks: it is drawn whole, straight onto the mesh (`drawn_on_mesh`), then loaded.
+    Either way the values equal those of the model built without a mesh."""
     config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(retrofit_run)[1]))
     if kind == "focus":
         config.retrofit.focus = None
@@ -138,7 +163,8 @@ def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_str
         routing = nnx.to_pure_dict(nnx.state(model))["layers"][0]["self_attn"]
         assert on([routing["centroids"], routing["w_g"]]) == {jax.devices()[0]}
     else:
-        assert all(isinstance(x, jax.Array) for x in leaves) and devices == {jax.devices()[0]}
+        assert all(isinstance(x, jax.Array) and x.sharding.mesh == mesh for x in leaves)
+        assert devices == set(jax.devices())
     monkeypatch.undo()
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model)),
                  nnx.to_pure_dict(nnx.state(trainer.init_model(run))))

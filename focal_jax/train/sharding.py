@@ -113,6 +113,19 @@ def abstract_on_mesh(model, mesh: Mesh):
     return model
 
 
+def drawn_on_mesh(make_model, mesh: Mesh | None = None):
+    """The model `make_model()` builds, its variables drawn by one jitted call straight into their shardings on
+    `mesh` (the layout of `tree_shardings`): no process holds the whole model in host memory, and each draws only
+    its own shards. Without a mesh, onto the default device. The draws are the same with and without a mesh, bit
+    for bit (JAX's partitionable threefry); they may differ in the last bit from calling `make_model()` outside
+    `jax.jit`, as XLA compiles the initialisers' arithmetic whole."""
+    model = nnx.eval_shape(make_model)
+    state = nnx.to_pure_dict(nnx.state(model))
+    shardings = None if mesh is None else tree_shardings(state, mesh)
+    nnx.update(model, jax.jit(lambda: nnx.to_pure_dict(nnx.state(make_model())), out_shardings=shardings)())
+    return model
+
+
 def place_model(model, mesh: Mesh):
     """`model` (an NNX module, e.g. built in host memory by `focal_jax.train.trainer.load_model`) with each of its
     arrays put on `mesh` as the trainer lays out parameters (`tree_shardings`: the embedding dimension over

@@ -35,8 +35,8 @@ from focal_jax.train.config import (DTYPES, ConfigError, RunConfig, check_attent
 from focal_jax.train.metrics import MetricWriter, Progress, mfu, peak_flops, train_flops_per_token
 from focal_jax.train.optimizer import (learning_rate_schedule, make_optimizer, merge_params, param_paths, path_str,
                                        select_params, split_trainable)
-from focal_jax.train.sharding import (abstract_on_mesh, check_batch_layout, make_mesh, param_sharding, place_model,
-                                      place_tree, shard_batch, tree_shardings)
+from focal_jax.train.sharding import (abstract_on_mesh, check_batch_layout, drawn_on_mesh, make_mesh, param_sharding,
+                                      place_model, place_tree, shard_batch, tree_shardings)
 
 
 def log(message: str):
@@ -47,7 +47,8 @@ def log(message: str):
 
 def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_dtype=jnp.float32, mesh=None,
                 progress=None):
-    """The model of `run` with freshly initialised parameters, or, for model family 'hf', the model `init_from`
+    """The model of `run` with freshly initialised parameters (drawn by one jitted call, onto `mesh` if one is
+    given: `drawn_on_mesh`), or, for model family 'hf', the model `init_from`
     holds: a Hugging Face directory (its tensors read as `hf_dtype`; with a `mesh`, each straight into its sharding
     there, this process reading only its own shards; `progress` gets a line once they are read), or a focal_jax run
     directory (the whole model of that run at its checkpoint `base_step`, default the latest, rebuilt from its own
@@ -67,7 +68,7 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_d
             model.config = dataclasses.replace(model.config, remat=True)
         return model
     cls = GPT2 if run.family == "gpt2" else Llama
-    return cls(run.model, rngs=nnx.Rngs(seed))
+    return drawn_on_mesh(lambda: cls(run.model, rngs=nnx.Rngs(seed)), mesh)
 
 
 def new_param_paths(model) -> set[str]:
