@@ -156,6 +156,11 @@ def test_unknown_config_keys_name_themselves():
                                              f"of {section or 'the config'}: "):
             check_config(config)
     config = default_config()
+    config.seq_len, config.warmup_steps = 64, 10  # keys of a section, given at the top
+    with pytest.raises(ValueError, match=r"unknown config keys seq_len, warmup_steps \(did you mean data.seq_len or "
+                                         r"optim.warmup_steps\?\); valid keys of the config: "):
+        check_config(config)
+    config = default_config()
     config.model.family = "t5"
     with pytest.raises(ValueError, match="model.family='t5' is not one of"):
         check_config(config)
@@ -774,6 +779,7 @@ def test_cli_sigterm_checkpoints_and_stops(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("override, message", [
     ("--config.totl_steps=3", "unknown config key totl_steps"),
+    ("--config.lr=3e-4", "unknown config key lr (did you mean optim.lr?)"),
     ("--config.model.n_layer=1", "unknown config key model.n_layer"),
     ("--config.data.task_kwargs.n_sentences=3", "unknown option(s) ['n_sentences'] for task='associative_recall'"),
     ("--config.data.task_kwargs=n_pairs=8",  # (the form before 0.6.10)
@@ -1731,6 +1737,22 @@ def test_every_experiment_runs_two_steps(name, runs, tmp_path, cache_dir):
     train(config, str(tmp_path))
     assert sorted(losses(str(tmp_path))) == [1, 2]
     assert load_experiment(name, args.replace("runlocal", "")).total_steps > 100
+
+
+@pytest.mark.parametrize("attn", ["focus", "focal+focus"])
+def test_the_quickstart_trains_focus_from_scratch(attn, tmp_path, cache_dir):
+    """`quickstart.py:runlocal,model=tiny,attn=focus` (DESIGN.md's example argument): Focus in every layer with
+    causal routing and a window the 64-token sequences reach past; two steps train the routing with the rest."""
+    config = load_experiment("quickstart", f"runlocal,model=tiny,attn={attn}")
+    config.data.cache_dir = cache_dir
+    config.update(total_steps=2, batch_size=8, eval_batches=0)
+    train(config, str(tmp_path))
+    model = load_model(str(tmp_path))
+    attention = {layer.config for layer in trainer.attention_layers(model)}
+    assert {(a.kind, a.focus_causal, a.focus_window, a.focal_t) for a in attention} == {(attn, True, 16, 0.4)}
+    drawn = trainer.build_model(check_config(config), seed=config.seed)
+    trained, initial = (nnx.to_pure_dict(nnx.state(m, Centroid)) for m in (model, drawn))
+    assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(initial)))
 
 
 # ------------------------------------------------------------------------------------------------ paper sweeps

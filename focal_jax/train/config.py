@@ -79,11 +79,16 @@ def _section(instance) -> ml_collections.ConfigDict:
     return section
 
 
-def _check_keys(where: str, keys, allowed):
+def _check_keys(where: str, keys, allowed, sections: typing.Mapping | None = None):
+    """ValueError naming the `keys` (of the section `where`, e.g. 'data.') that are not `allowed`, and, for one
+    that is a key of a section in `sections` (e.g. `lr`, of `optim`), where it belongs."""
     unknown = sorted(set(keys) - set(allowed))
     if unknown:
+        belongs = [f"{where}{name}.{key}" for key in unknown for name, section in (sections or {}).items()
+                   if isinstance(section, ml_collections.ConfigDict) and key in section]
+        hint = f" (did you mean {' or '.join(belongs)}?)" if belongs else ""
         raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(f'{where}{k}' for k in unknown)}; valid keys of "
+                         f"{', '.join(f'{where}{k}' for k in unknown)}{hint}; valid keys of "
                          f"{where.rstrip('.') or 'the config'}: {sorted(allowed)}")
 
 
@@ -318,7 +323,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
     """Validate `config` against `default_config()` and build a `RunConfig`; raises ValueError naming any unknown
     key or bad value (a field of a section by its dotted name, e.g. `data.seq_len`)."""
     defaults = default_config()
-    _check_keys("", config.keys(), defaults.keys())
+    _check_keys("", config.keys(), defaults.keys(), sections=defaults)
     merged = {k: config.get(k, defaults[k]) for k in defaults.keys()}
     seed = merged["seed"]
     if not is_integer(seed) or not 0 <= seed < SEED_LIMIT:
