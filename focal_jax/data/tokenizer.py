@@ -137,12 +137,10 @@ class Tokenizer:
 
     def special_tokens(self) -> dict:
         """`{'bos_token': str | None, 'eos_token': ..., 'pad_token': ..., 'unk_token': ...}`: the special tokens
-        as a Hugging Face tokenizer_config.json names them (a tokenizer.json only)."""
-        if self.kind != "huggingface":
-            raise ValueError(f"special_tokens() is for a Hugging Face tokenizer.json, not the {self.kind} model "
-                             f"{self.path!r}")
+        as a Hugging Face tokenizer_config.json names them (None for one the tokenizer lacks)."""
+        piece = self._hf.id_to_token if self.kind == "huggingface" else self._sp.id_to_piece
         ids = dict(bos=self.bos_id, eos=self.eos_id, pad=self.pad_id, unk=self.unk_id)
-        return {f"{name}_token": None if i is None else self._hf.id_to_token(i) for name, i in ids.items()}
+        return {f"{name}_token": None if i is None else piece(i) for name, i in ids.items()}
 
     def __repr__(self):
         return f"Tokenizer(path={self.path!r}, kind={self.kind!r}, vocab_size={self.vocab_size})"
