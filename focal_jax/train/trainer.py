@@ -727,7 +727,9 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     host = host_device()
     param_dtype = DTYPES[run.param_dtype]
     with jax.default_device(host):  # in host memory: no one accelerator need hold the model before the mesh does
-        # (a Hugging Face directory is read as param_dtype straight onto the mesh, each process reading its shards)
+        # (a draw from scratch, a Hugging Face directory (read as param_dtype) and a base run holding every
+        # parameter go straight onto the mesh, each process placing only its own shards; retrofits' new parameters
+        # are built here)
         model = init_model(run, base_step=init_from_step, hf_dtype=param_dtype, mesh=mesh, progress=log)
     vocab = model.config.vocab_size
     if vocab < data.tokenizer.vocab_size:
