@@ -15,6 +15,12 @@
                                     (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
     python -m focal_jax.bench load [--dir HF_DIR | --d-model 1024 --layers 8 --vocab 32000] [--dtype bfloat16]
                                    [--repeats 3]   (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)
+    python -m focal_jax.bench init [--size 400M] [--repeats 2]   (CPU: XLA_FLAGS=...device_count=8)
+
+``init``: a Focal paper model drawn from scratch onto a mesh of every device (``fsdp`` = the device count), as the
+trainer drew it before 0.6.29 (op by op in host memory, then placed on the mesh) and with ``drawn_on_mesh`` (one
+jitted draw straight into the shardings, compiled at each call as a run compiles it once): seconds of the first call
+and the median of ``--repeats`` later ones.
 
 ``load``: reading a Hugging Face directory (``--dir``, or a random LLaMA checkpoint of the given size written to a
 temporary directory): ``from_hf`` as it was before 0.6.27 (every tensor read whole by the ``safetensors``
@@ -1014,6 +1020,47 @@ def run_load(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def run_init(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``init`` subcommand: a Focal paper model drawn from scratch onto a mesh of every device (fsdp), as the trainer
+    drew it before 0.6.29 (op by op in host memory, then placed) vs ``drawn_on_mesh`` (one jitted draw straight into
+    the shardings, compiled afresh at each call, as a run does once)."""
+    from flax import nnx
+
+    from focal_jax.nn.llama import Llama, focal_config
+    from focal_jax.train.sharding import drawn_on_mesh, make_mesh, place_model
+    from focal_jax.train.trainer import host_device
+
+    config = focal_config(args.size)
+    n = jax.device_count()
+    mesh = make_mesh({"fsdp": n})
+
+    def host_then_placed():
+        with jax.default_device(host_device()):
+            model = Llama(config, rngs=nnx.Rngs(args.seed))
+        return place_model(model, mesh)
+
+    def jitted():
+        return drawn_on_mesh(lambda: Llama(config, rngs=nnx.Rngs(args.seed)), mesh)
+
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))))
+    _print_header(f"Drawing the {args.size} model from scratch ({n_params / 1e6:,.0f}M parameters) onto {n} "
+                  f"device(s), fsdp={n}", argv)
+    rows, base = [], None
+    for name, fn in (("op by op in host memory, then placed (before 0.6.29)", host_then_placed),
+                     ("drawn_on_mesh: one jitted draw into the shardings", jitted)):
+        times = []
+        for _ in range(args.repeats + 1):
+            _log(f"{name} ...")
+            start = time.perf_counter()
+            jax.block_until_ready(nnx.state(fn()))
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:])
+        base = base or seconds
+        rows.append([name, f"{times[0]:.2f}", f"{seconds:.2f}", _fmt_ratio(seconds / base)])
+    print(_inputs.markdown_table(["variant", "first call (s)", "later calls (s, median)", "vs before 0.6.29"], rows))
+    return 0
+
+
 def _sum_grad(fn):
     """`fn(q, k, v, *rest)` -> gradients of `sum(out)` (in float32) with respect to q, k, v."""
     return jax.grad(lambda *args: jax.numpy.sum(fn(*args).astype(jax.numpy.float32)), argnums=(0, 1, 2))
@@ -1021,7 +1068,7 @@ def _sum_grad(fn):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per benchmark (``attention``, ``train``, ``kernel``, ``plan``, ``compile``,
-    ``sinkhorn``, ``shard``, ``load``)."""
+    ``sinkhorn``, ``shard``, ``load``, ``init``)."""
     parser = argparse.ArgumentParser(prog="python -m focal_jax.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="benchmark", required=True)
     attn = sub.add_parser("attention", help="dense vs Focal vs Focus soft vs Focus decomposed, plus routing")
@@ -1101,6 +1148,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--repeats", type=_positive_int, default=3, help="timed reads (median), after one warm-up")
     load.add_argument("--seed", type=int, default=0)
     load.set_defaults(run=run_load)
+    init = sub.add_parser("init", help="a model drawn from scratch: op by op on the host vs jitted onto the mesh")
+    init.add_argument("--size", default="400M", help="a Focal paper size (default 400M)")
+    init.add_argument("--repeats", type=_positive_int, default=2, help="timed calls after the first (median)")
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(run=run_init)
     return parser
 
 

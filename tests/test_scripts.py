@@ -94,6 +94,17 @@ def test_bench_load_prints_every_reader(capsys):
     assert stored and {row[3].strip() for row in rows} == {stored.group(1)}
 
 
+def test_bench_init_prints_both_draws(capsys):
+    """`bench init` draws the tiny Focal model both ways onto the 8 fake devices and times each."""
+    assert bench.main(["init", "--size", "tiny", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "onto 8 device(s), fsdp=8" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row[0].strip() for row in rows] == ["op by op in host memory, then placed (before 0.6.29)",
+                                                "drawn_on_mesh: one jitted draw into the shardings"]
+    assert rows[0][3].strip() == "1.00" and all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
+
+
 def test_bench_kernel_prints_every_variant(capsys):
     assert bench.main(["kernel", "--lengths", "256", "--heads", "2", "--head-dim", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
