@@ -15,8 +15,8 @@ merged into the kernels first. The tokenizer and the special token ids:
 
 Focus and learned-Focal attention have no transformers layer. A Focus model is refused unless `--as-dense`, which
 writes it with dense attention (Focal's constant t kept for 'focal+focus'): every pair visible, so its logits equal
-the run's only on inputs shorter than the Focus window. A learned temperature depends on each input and cannot be
-folded into the weights: it is always refused.
+the run's only on inputs of at most window + 1 tokens. A learned temperature depends on each input and cannot
+be folded into the weights: it is always refused.
 """
 
 import argparse
@@ -60,7 +60,7 @@ def exportable(model, *, as_dense: bool = False, progress=print):
     if focus and not as_dense:
         raise ValueError(f"the model's attention kind is {focus[0]!r}, which transformers has no layer for: "
                          f"--as-dense (as_dense=True) writes it with {FOCUS_AS_DENSE[focus[0]]!r} attention, every "
-                         f"pair visible, which equals the run only on inputs shorter than the Focus window")
+                         f"pair visible, which equals the run only on inputs of at most window + 1 tokens")
     if jax.tree.leaves(nnx.state(model, LoRA)):
         merge_lora(model)
         progress("export: LoRA factors merged into the kernels")
