@@ -1027,7 +1027,7 @@ def run_init(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from flax import nnx
 
     from focal_jax.nn.llama import Llama, focal_config
-    from focal_jax.train.sharding import drawn_on_mesh, make_mesh, place_model
+    from focal_jax.train.sharding import _jitted_draw, drawn_on_mesh, make_mesh, place_model
     from focal_jax.train.trainer import host_device
 
     config = focal_config(args.size)
@@ -1040,7 +1040,8 @@ def run_init(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return place_model(model, mesh)
 
     def jitted():
-        return drawn_on_mesh(lambda: Llama(config, rngs=nnx.Rngs(args.seed)), mesh)
+        _jitted_draw.cache_clear()  # as a run: compiled once, at its start
+        return drawn_on_mesh(Llama, config, args.seed, mesh)
 
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))))
     _print_header(f"Drawing the {args.size} model from scratch ({n_params / 1e6:,.0f}M parameters) onto {n} "

@@ -20,6 +20,7 @@ from focal_jax.convert.safetensors_io import StoredTensors
 from focal_jax.eval import decode, diagnostics, harness, perplexity, recall
 from focal_jax.train import checkpoint, train, trainer
 from focal_jax.train.sharding import make_mesh, tree_shardings
+from helpers import hf_focus_retrofit_config
 from test_eval_perplexity import tiny_focus_run
 
 MESH = {"fsdp": 2, "tensor": 4}
@@ -178,11 +179,7 @@ def hf_retrofit_runs(dense_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_runs")
     directory = str(root / "hf")
     hf.to_hf(trainer.load_model(dense_run), directory)
-    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
-    config.model = ml_collections.ConfigDict({"family": "hf"})
-    config.update(init_from=directory, total_steps=1)
-    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
-    config.optim.trainable = "centroids"
+    config = hf_focus_retrofit_config(dense_run, directory, window=8)
     phase1 = str(root / "phase1")
     train(config, phase1)
     config.init_from = phase1

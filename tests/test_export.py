@@ -18,6 +18,7 @@ from focal_jax.convert.export import main
 from focal_jax.data.tokenizer import workdir_tokenizer
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint, train, trainer
+from helpers import hf_focus_retrofit_config
 from test_eval_perplexity import FOCUS_ATTN, tiny_focus_run
 
 TEXTS = ["the model attends to its local window", "  two spaces\nand a newline\ttab", "é 中 😀 café", "x=1234", ""]
@@ -127,13 +128,8 @@ def test_a_run_from_a_hugging_face_directory_takes_its_tokenizer_files(focal_run
     if with_tokenizer:
         shutil.copy(os.path.join(focal_run, "tokenizer.model"), source)
         json.dump({"eos_token_id": 3, "marker": "source"}, open(os.path.join(source, "generation_config.json"), "w"))
-    config = stored_config(focal_run)
-    config.model = ml_collections.ConfigDict({"family": "hf"})
-    config.update(init_from=source, total_steps=1)
-    config.retrofit.focus = {"groups": 2, "dim": 8, "window": 4}
-    config.optim.trainable = "centroids"
     workdir = str(tmp_path / "retrofit")
-    train(config, workdir)
+    train(hf_focus_retrofit_config(focal_run, source, window=4), workdir)
     out = str(tmp_path / "hf")
     capsys.readouterr()
     main(["--workdir", workdir, "--out", out, "--as-dense"])

@@ -6,6 +6,7 @@ are split over `('data', 'fsdp')` along the batch dimension; each process feeds 
 (`jax.make_array_from_process_local_data`).
 """
 
+import functools
 import math
 import re
 
@@ -113,17 +114,25 @@ def abstract_on_mesh(model, mesh: Mesh):
     return model
 
 
-def drawn_on_mesh(make_model, mesh: Mesh | None = None):
-    """The model `make_model()` builds, its variables drawn by one jitted call straight into their shardings on
-    `mesh` (the layout of `tree_shardings`): no process holds the whole model in host memory, and each draws only
-    its own shards. Without a mesh, onto the default device. The draws are the same with and without a mesh, bit
-    for bit (JAX's partitionable threefry); they may differ in the last bit from calling `make_model()` outside
-    `jax.jit`, as XLA compiles the initialisers' arithmetic whole."""
-    model = nnx.eval_shape(make_model)
-    state = nnx.to_pure_dict(nnx.state(model))
-    shardings = None if mesh is None else tree_shardings(state, mesh)
-    nnx.update(model, jax.jit(lambda: nnx.to_pure_dict(nnx.state(make_model())), out_shardings=shardings)())
+def drawn_on_mesh(cls, config, seed: int, mesh: Mesh | None = None):
+    """`cls(config, rngs=nnx.Rngs(seed))` (a `Llama` or `GPT2` from scratch), its variables drawn by one jitted call
+    straight into their shardings on `mesh` (the layout of `tree_shardings`): no process holds the whole model in
+    host memory, and each draws only its own shards. Without a mesh, onto the default device. The draws are the same
+    with and without a mesh, bit for bit (JAX's partitionable threefry); they may differ in the last bit from
+    calling the constructor outside `jax.jit`, as XLA compiles the initialisers' arithmetic whole. A process
+    compiles each (cls, config, seed, mesh) once."""
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(seed)))
+    nnx.update(model, _jitted_draw(cls, config, seed, mesh)())
     return model
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_draw(cls, config, seed: int, mesh: Mesh | None):
+    """The jitted draw of `drawn_on_mesh`: `() -> the model's state as a pure dict`, placed on `mesh`."""
+    def draw():
+        return nnx.to_pure_dict(nnx.state(cls(config, rngs=nnx.Rngs(seed))))
+
+    return jax.jit(draw, out_shardings=None if mesh is None else tree_shardings(jax.eval_shape(draw), mesh))
 
 
 def place_model(model, mesh: Mesh):

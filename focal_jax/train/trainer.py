@@ -68,7 +68,7 @@ def build_model(run: RunConfig, *, seed: int, base_step: int | None = None, hf_d
             model.config = dataclasses.replace(model.config, remat=True)
         return model
     cls = GPT2 if run.family == "gpt2" else Llama
-    return drawn_on_mesh(lambda: cls(run.model, rngs=nnx.Rngs(seed)), mesh)
+    return drawn_on_mesh(cls, run.model, seed, mesh)
 
 
 def new_param_paths(model) -> set[str]:
