@@ -20,6 +20,7 @@ from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint, train, trainer
 from helpers import hf_focus_retrofit_config
 from test_eval_perplexity import FOCUS_ATTN, tiny_focus_run
+from test_tokenizer_hf import make_tokenizer_json
 
 TEXTS = ["the model attends to its local window", "  two spaces\nand a newline\ttab", "é 中 😀 café", "x=1234", ""]
 TOKENS = np.array([[2, 7, 100, 33, 250, 5, 61, 17, 90, 12, 3, 44]])
@@ -63,6 +64,26 @@ def test_a_run_from_scratch_loads_in_transformers_with_its_tokenizer(focal_run, 
     np.testing.assert_allclose(hf_logits(out), our_logits(model), atol=1e-4)
     model_hf = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model_hf.generation_config.eos_token_id == ours.eos_id
+
+
+def test_a_run_with_a_tokenizer_json_writes_it(tmp_path):
+    """A run from scratch whose tokenizer is a Hugging Face tokenizer.json of GPT-2's kind (no bos: documents start
+    with the eos, which a prompt then carries itself, as for GPT-2) writes it with its special tokens."""
+    path = make_tokenizer_json(str(tmp_path / "tokenizer"))
+    config = stored_config(tiny_focus_run(tmp_path / "base", attn={"kind": "dense"}))
+    config.data.tokenizer = path
+    workdir = str(tmp_path / "run")
+    train(config, workdir)
+    out = str(tmp_path / "hf")
+    main(["--workdir", workdir, "--out", out])
+    ours = workdir_tokenizer(workdir)
+    assert ours.kind == "huggingface" and ours.bos_id is None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        assert tokenizer(text)["input_ids"] == ours.encode(text), text
+    assert tokenizer.eos_token_id == ours.eos_id == json.load(open(os.path.join(out, "config.json")))["eos_token_id"]
+    tokens = [[ours.start_id] + ours.encode(TEXTS[0])]
+    np.testing.assert_allclose(hf_logits(out, tokens), our_logits(trainer.load_model(workdir), tokens), atol=1e-4)
 
 
 def test_bfloat16_and_an_earlier_step(tmp_path):
