@@ -51,14 +51,21 @@ def load_experiment(name: str, arg: str):
     return module.get_config(arg)
 
 
+def stored_run_config(workdir: str):
+    """The config (a ConfigDict) stored with the latest checkpoint of the focal_jax run in `workdir`."""
+    import ml_collections
+
+    from focal_jax.train import checkpoint
+
+    return ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(workdir)[1]))
+
+
 def hf_focus_retrofit_config(run: str, hf_directory: str, *, window: int):
     """The config of a one-step centroid-only Focus retrofit (K = 2, d_g 8) of the Hugging Face directory
     `hf_directory` (model family 'hf'), with the data and training settings of the focal_jax run `run`."""
     import ml_collections
 
-    from focal_jax.train import checkpoint
-
-    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(run)[1]))
+    config = stored_run_config(run)
     config.model = ml_collections.ConfigDict({"family": "hf"})
     config.update(init_from=hf_directory, total_steps=1)
     config.retrofit.focus = {"groups": 2, "dim": 8, "window": window}

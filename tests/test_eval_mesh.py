@@ -9,7 +9,6 @@ one device. 8 fake CPU devices (conftest)."""
 import json
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -18,9 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from focal_jax.convert import hf
 from focal_jax.convert.safetensors_io import StoredTensors
 from focal_jax.eval import decode, diagnostics, harness, perplexity, recall
-from focal_jax.train import checkpoint, train, trainer
+from focal_jax.train import train, trainer
 from focal_jax.train.sharding import make_mesh, tree_shardings
-from helpers import hf_focus_retrofit_config
+from helpers import hf_focus_retrofit_config, stored_run_config
 from test_eval_perplexity import tiny_focus_run
 
 MESH = {"fsdp": 2, "tensor": 4}
@@ -59,7 +58,7 @@ def test_a_model_from_scratch_is_drawn_straight_onto_the_mesh_as_on_one_device(d
     """`build_model(run, mesh=)` for a run from scratch draws each parameter into its sharding on the mesh
     (`drawn_on_mesh`), bit for bit the draws of `build_model` without a mesh, and the seed's draws of the model's
     own constructor outside jit to float32 rounding."""
-    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
+    config = stored_run_config(dense_run)
     if family == "gpt2":
         config.model = {"family": "gpt2", "vocab_size": 64, "n_positions": 32, "d_model": 32, "n_layers": 2,
                         "n_heads": 4}
@@ -81,7 +80,7 @@ def test_a_model_from_scratch_is_drawn_straight_onto_the_mesh_as_on_one_device(d
 @pytest.fixture(scope="module")
 def retrofit_run(dense_run, tmp_path_factory):
     """A Focus retrofit of `dense_run` (its centroids trained for one step)."""
-    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(dense_run)[1]))
+    config = stored_run_config(dense_run)
     config.update(init_from=dense_run, total_steps=1)
     config.retrofit.focus = {"groups": 2, "dim": 8, "window": 8}
     config.optim.trainable = "centroids"
@@ -148,7 +147,7 @@ def test_init_model_on_a_mesh_restores_a_base_run_that_holds_every_parameter_str
     (nothing drawn) and draws only the retrofit's routing parameters. A model of attention kind 'focus' has routing
     parameters the dense run lacks: it is drawn whole, straight onto the mesh (`drawn_on_mesh`), then loaded.
     Either way the values equal those of the model built without a mesh."""
-    config = ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(retrofit_run)[1]))
+    config = stored_run_config(retrofit_run)
     if kind == "focus":
         config.retrofit.focus = None
         config.model.attn.update(kind="focus", focus_groups=2, focus_window=8)

@@ -7,7 +7,6 @@ import os
 import shutil
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 import torch
@@ -17,8 +16,8 @@ from focal_jax.convert import hf
 from focal_jax.convert.export import main
 from focal_jax.data.tokenizer import workdir_tokenizer
 from focal_jax.nn.retrofit import replace_attention
-from focal_jax.train import checkpoint, train, trainer
-from helpers import hf_focus_retrofit_config
+from focal_jax.train import train, trainer
+from helpers import hf_focus_retrofit_config, stored_run_config
 from test_eval_perplexity import FOCUS_ATTN, tiny_focus_run
 from test_tokenizer_hf import make_tokenizer_json
 
@@ -46,10 +45,6 @@ def our_logits(model, tokens=TOKENS) -> np.ndarray:
     return np.asarray(model(jnp.asarray(tokens)))
 
 
-def stored_config(workdir) -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(checkpoint.stored_config(checkpoint.read_meta(workdir)[1]))
-
-
 def test_a_run_from_scratch_loads_in_transformers_with_its_tokenizer(focal_run, tmp_path, capsys):
     out = str(tmp_path / "hf")
     assert main(["--workdir", focal_run, "--out", out]) == out
@@ -70,7 +65,7 @@ def test_a_run_with_a_tokenizer_json_writes_it(tmp_path):
     """A run from scratch whose tokenizer is a Hugging Face tokenizer.json of GPT-2's kind (no bos: documents start
     with the eos, which a prompt then carries itself, as for GPT-2) writes it with its special tokens."""
     path = make_tokenizer_json(str(tmp_path / "tokenizer"))
-    config = stored_config(tiny_focus_run(tmp_path / "base", attn={"kind": "dense"}))
+    config = stored_run_config(tiny_focus_run(tmp_path / "base", attn={"kind": "dense"}))
     config.data.tokenizer = path
     workdir = str(tmp_path / "run")
     train(config, workdir)
@@ -124,7 +119,7 @@ def test_a_learned_temperature_is_refused(tmp_path, capsys):
 
 
 def test_lora_is_merged(focal_run, tmp_path):
-    config = stored_config(focal_run)
+    config = stored_run_config(focal_run)
     config.update(init_from=focal_run, total_steps=1)
     config.retrofit.lora = {"rank": 2, "alpha": 4.0}
     config.optim.update(trainable="lora", lr=0.05, warmup_steps=0)

@@ -29,13 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from focal_jax.convert.hf import to_hf
-from focal_jax.data.tokenizer import HF_CONFIG_FILE, HF_FILE, SENTENCEPIECE_FILE, tokenizer_file, workdir_tokenizer
+from focal_jax.data.tokenizer import HF_CONFIG_FILE, copy_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.nn.lora import LoRA, merge_lora
 from focal_jax.nn.models import attention_layers
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import checkpoint
+from focal_jax.train.config import DTYPES
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 FOCUS_AS_DENSE = {"focus": "dense", "focal+focus": "focal"}
 
 
@@ -86,18 +86,13 @@ def tokenizer_files(workdir: str, directory: str) -> dict:
     """Write the tokenizer of the run in `workdir` into the Hugging Face `directory` for `AutoTokenizer`, as the
     module docstring says; returns its special token ids `{'bos_token_id': ..., 'eos_token_id': ...,
     'pad_token_id': ...}` (the ones it has)."""
-    tokenizer = workdir_tokenizer(workdir)
+    tokenizer = copy_tokenizer(workdir_tokenizer(workdir), directory)
     special = tokenizer.special_tokens()
-    with open(tokenizer.path, "rb") as f:
-        data = f.read()
     if tokenizer.kind == "huggingface":
-        name, config = HF_FILE, {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
     else:
-        name = SENTENCEPIECE_FILE
         config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": tokenizer.bos_id is not None,
                   "add_eos_token": False, "add_prefix_space": False, "legacy": False, **special}
-    with open(os.path.join(directory, name), "wb") as f:
-        f.write(data)
     with open(os.path.join(directory, HF_CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
@@ -110,16 +105,14 @@ def export_run(workdir: str, directory: str, *, step: int | None = None, dtype=j
     `directory` (created if missing; it must be empty), parameters as `dtype`, with its tokenizer (module
     docstring); returns `directory`. ValueError for a directory with files in it, a step the run has not saved, a
     model `exportable` refuses, or one `to_hf` cannot write (a logit softcap, a sliding window on GPT-2)."""
-    from focal_jax.train.trainer import load_model  # the training stack, which imports this package
+    from focal_jax.train.trainer import cast_floats, load_model  # the training stack, which imports this package
 
     if os.path.isdir(directory) and os.listdir(directory):
         raise ValueError(f"{directory!r} is not empty: give a new or empty directory (files left there would mix "
                          f"with the export's)")
-    checkpoint.require_step(workdir, step)
-    step = checkpoint.read_meta(workdir, step)[0]
     model = exportable(load_model(workdir, step=step), as_dense=as_dense, progress=progress)
-    state = nnx.state(model)
-    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state))
+    step = checkpoint.read_meta(workdir, step)[0]
+    nnx.update(model, cast_floats(nnx.state(model), dtype))
     source = hf_source(workdir)
     if source is not None and not same_tokenizer(workdir, source):
         progress(f"export: the run's tokenizer is not that of {source}, so neither its tokenizer files nor its "
@@ -146,7 +139,8 @@ def main(argv=None) -> str:
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write (created if missing)")
     parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the written tensors (default float32)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="of the written tensors (default float32)")
     parser.add_argument("--as-dense", action="store_true",
                         help="write a Focus model with dense attention (its routing left out)")
     args = parser.parse_args(argv)
