@@ -32,3 +32,15 @@ def plain_numbers(config) -> None:
         value = getattr(config, field.name)
         if isinstance(value, (np.integer, np.floating)):
             object.__setattr__(config, field.name, value.item())
+
+
+def float_field(mapping: dict, key: str, default, where: str) -> float:
+    """`mapping[key]` (`default` when absent) as a float; a ValueError naming `where`, the key and the value when it
+    is not a number (`float('x')` named neither)."""
+    value = mapping.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise ValueError(f"{where} {key}={value!r} must be a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{where} {key}={value!r} must be a number") from None

@@ -514,10 +514,17 @@ def test_eval_batches_are_deterministic_and_held_out(cache_dir):
         assert text == "".join(docs)
         return docs
 
-    n_eval_steps = -(-len(data.eval_rows["inputs"]) // 4)
+    n_eval_rows = len(data.eval_rows["inputs"])
+    n_eval_steps = -(-n_eval_rows // 4)
+    assert n_eval_rows % 4, "the last batch should be part padding"
+    # more batches than the rows fill: as many as they fill (batches of padding only cost a forward pass each:
+    # eval_batches=100000 padded 99,700 of them, minutes at every evaluation)
     batches = data.eval_batches(n_eval_steps + 2)
-    assert all(b["inputs"].shape == (4, SEQ) for b in batches)
-    assert all(b["loss_mask"].sum() == 0 for b in batches[n_eval_steps:])  # past the eval rows: padding only
+    assert len(batches) == n_eval_steps and all(b["inputs"].shape == (4, SEQ) for b in batches)
+    padding = batches[-1]["segment_ids"][n_eval_rows % 4:]
+    assert padding.size and not padding.any() and not batches[-1]["loss_mask"][n_eval_rows % 4:].any()
+    assert all(b["loss_mask"][:n_eval_rows - 4 * i].any(axis=1).all() for i, b in enumerate(batches))
+    assert len(data.eval_batches(n_eval_steps - 1)) == n_eval_steps - 1
     again = data.eval_batches(n_eval_steps + 2)
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(batches, again) for k in a)
     eval_docs = documents_in(rows_of(batches))

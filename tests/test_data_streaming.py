@@ -152,7 +152,8 @@ def test_stream_equals_in_memory_rows_and_eval_batches(tmp_path, cache_dir, fmt,
     it = train_iterator(stream)
     batches = [next(it) for _ in range(steps)]
     assert_batches_equal(batches, [in_memory.train[s] for s in range(steps)])
-    n_eval = -(-len(in_memory.eval_rows["inputs"]) // 4) + 1  # every eval row, then padding
+    n_eval = -(-len(in_memory.eval_rows["inputs"]) // 4)  # every eval row, the last batch completed by padding
+    assert len(stream.eval_batches(n_eval + 1)) == len(in_memory.eval_batches(n_eval + 1)) == n_eval
     assert_batches_equal(stream.eval_batches(n_eval), in_memory.eval_batches(n_eval))
     segments = max(b["segment_ids"].max() for b in batches + stream.eval_batches(n_eval))
     assert segments == 1 if not doc_mask else segments > 1  # (doc_mask=False: one sequence per row)

@@ -234,6 +234,11 @@ def test_routing_scores_errors():
     check_raises(lambda: routing_scores(HID, W_G, ones(K, 5)), "centroids")          # d_g mismatch
     check_raises(lambda: routing_scores(HID, ones(7, 4), ones(K, 4)), "w_g")         # d_model mismatch
     check_raises(lambda: routing_scores(HID, W_G, ones(K, 4), tau=0.0), "tau", 0.0)
+    # a [K] tau was read as one temperature per group, a [2] one failed in a broadcast naming nothing
+    check_raises(lambda: routing_scores(HID, W_G, ones(K, 4), tau=jnp.full(K, 0.1)), "tau", (K,))
+    check_raises(lambda: routing_scores(HID, W_G, ones(K, 4), tau=jnp.full(2, 0.1)), "tau", (2,))
+    # 'False' was read by its truth value: cosine scores
+    check_raises(lambda: routing_scores(HID, W_G, ones(K, 4), normalize="False"), "normalize", "'False'")
 
 
 def test_sinkhorn_errors():
@@ -243,6 +248,10 @@ def test_sinkhorn_errors():
     check_raises(lambda: sinkhorn(G, n_iters=2.0), "n_iters", 2.0)
     check_raises(lambda: sinkhorn(G, unroll=2), "unroll", 2)
     check_raises(lambda: sinkhorn(G, valid=jnp.ones((B, T + 2), bool)), "valid")
+    # a float mask was cast to bool: 0.5 counted as valid
+    check_raises(lambda: sinkhorn(G, valid=jnp.full((B, T), 0.5)), "valid", "float32")
+    assert np.array_equal(sinkhorn(G, valid=jnp.ones((B, T), jnp.int32).at[:, -1].set(0)),
+                          sinkhorn(G, valid=jnp.ones((B, T), bool).at[:, -1].set(False)))
 
 
 @pytest.mark.parametrize("bad_k", [0, K + 1, -1])
@@ -258,6 +267,9 @@ def test_focus_errors():
     check_raises(lambda: focus_attention(Q, KK, V, G, gate="multiplicative"), "gate", "multiplicative")
     check_raises(lambda: focus_attention(Q, KK, V, G, lam=-10.0), "lam", -10.0)
     check_raises(lambda: focus_attention(Q, KK, V, G, lam=0), "lam", 0)
+    # an array lam: [B, T, 1] failed in XLA's broadcast naming nothing, [T] became a per-key steepness
+    check_raises(lambda: focus_attention(Q, KK, V, G, lam=jnp.full((B, T, 1), 10.0)), "lam", (B, T, 1))
+    check_raises(lambda: focus_attention(Q, KK, V, G, lam=jnp.full(T, 10.0)), "lam", (T,))
     check_raises(lambda: focus_attention(Q, KK, V, ones(B, T + 1, K)), "g")
     check_raises(lambda: focus_attention(Q, KK, V, ones(B, T, 0)), "g")              # K < 1
     check_raises(lambda: focus_sparse_attention(Q, KK, V, MEM, impl="triton"), "impl", "triton")
@@ -360,6 +372,33 @@ def test_an_array_scale_is_checked_like_a_temperature(fn):
     want = call(q, k, v, scale=1.0, temperature=1.0 / per_token[:, :, None])
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert not np.allclose(got, call(q, k, v, scale=1.0), atol=1e-3)
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+@pytest.mark.parametrize("name", ["temperature", "scale"])
+def test_a_bool_temperature_or_scale_is_refused(fn, name):
+    """`temperature=True` ran as 1.0 (a bool is an int to Python)."""
+    if fn == "dot_product_attention" and name == "temperature":
+        return
+    check_raises(lambda: ATTENTION_FNS[fn](Q, KK, V, **{name: True}), name, "True")
+
+
+@pytest.mark.parametrize("fn", list(ATTENTION_FNS))
+@pytest.mark.parametrize("axis", [0, 1, 2, 3])
+def test_an_empty_axis_is_refused_by_name(fn, axis):
+    """T = 0 failed in a reduction with no identity, or in a slice or broadcast (each path its own way); D = 0
+    as 'scale must be a finite number, got scale=inf' though no scale was given."""
+    shape = [B, T, H, D]
+    shape[axis] = 0
+    empty = ones(*shape)
+    g, member = jnp.full((*shape[:2], K), 1.0 / K), jnp.ones((*shape[:2], K), bool)  # groups of q's tokens
+    call = {"focus_attention": lambda q, k, v: focus_attention(q, k, v, g),
+            "focus_sparse_attention_reference": lambda q, k, v: focus_sparse_attention(q, k, v, member),
+            "focus_sparse_attention_decomposed": lambda q, k, v: focus_sparse_attention(
+                q, k, v, member, impl="decomposed", block_size=4)}.get(fn, ATTENTION_FNS[fn])
+    check_raises(lambda: call(empty, empty, empty), "q", tuple(shape))
+    if axis == 3:  # an empty value head_dim alone
+        check_raises(lambda: ATTENTION_FNS[fn](Q, KK, empty), "v", tuple(shape))
 
 
 @pytest.mark.parametrize("bad", ["no", "False", None, 1])

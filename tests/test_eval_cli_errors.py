@@ -35,7 +35,8 @@ def test_diagnostics_bad_topk_and_top_are_usage_errors(monkeypatch, capsys):
     _stub_run(monkeypatch, diagnostics, FOCUS)
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "5"], "focus_topk=5")
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "0"], "focus_topk=0")
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--top", "0"], "--top=0")
+    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--top", "0"],
+                 "--top: expected an integer >= 1, got '0'")
     _stub_run(monkeypatch, diagnostics, {"kind": "dense"})
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy", "--png", "x.png"], "nothing to plot")
 
@@ -45,6 +46,20 @@ def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
     for value in "0", "-1":
         _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", value],
                      f"must be a finite number >= 1, got '{value}'")
+
+
+@pytest.mark.parametrize("module, flag", [(perplexity, "--batches"), (perplexity, "--batch-size"),
+                                          (perplexity, "--seq-len"), (diagnostics, "--batches"),
+                                          (diagnostics, "--batch-size"), (diagnostics, "--seq-len"),
+                                          (recall, "--n"), (recall, "--batch-size"), (helmet, "--n"),
+                                          (helmet, "--batch-size")])
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_counts_below_one_are_usage_errors_naming_the_flag(monkeypatch, capsys, module, flag, value):
+    """`perplexity --batches 0` said 'n_batches must be an integer >= 1, got n_batches=0', the name of a function
+    argument, after the run had loaded."""
+    _no_loading(monkeypatch)
+    _usage_error(capsys, module.main, ["--workdir", "RUN", flag, value],
+                 f"argument {flag}: expected an integer >= 1, got '{value}'")
 
 
 def _no_loading(monkeypatch):

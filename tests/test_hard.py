@@ -571,6 +571,20 @@ def test_decomposed_promotes_mixed_dtypes_and_scales_the_float32_logits():
         assert_close(g.astype(jnp.float32) / scale, e / scale, atol=3e-2, what=f"bf16 at t = 0.05: d{name}")
 
 
+@pytest.mark.parametrize("dtypes", [("float32", "float32", "bfloat16"), ("bfloat16", "float32", "float32"),
+                                    ("bfloat16", "bfloat16", "float32")])
+def test_every_impl_returns_the_dtype_of_v(dtypes):
+    """The decomposed path returned the promoted dtype (float32 for float32 q and k with bf16 v) where the
+    reference and the Pallas kernel return v's, as the docstring says; code that switched impl got another dtype."""
+    q, k, v, mem, kw, block = build_case("k2_T130_K5_block32")
+    args = [x.astype(d) for x, d in zip((q, k, v), dtypes)]
+    want = naive(*(x.astype(jnp.float32) for x in args), mem, **kw)
+    for impl in ("reference", "decomposed", "pallas"):
+        got = focus_sparse_attention(*args, mem, impl=impl, block_size=block, **kw)
+        assert got.dtype == jnp.dtype(dtypes[2]), (impl, got.dtype)
+        assert_close(got.astype(jnp.float32), want, atol=2e-2, what=f"{impl} {dtypes}")
+
+
 def test_softcap_caps_the_logits():
     """The softcap case is not trivially uncapped: its output differs from the same attention without the cap."""
     q, k, v, mem, kw, block = build_case("softcap_k2_sharp")

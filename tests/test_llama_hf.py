@@ -536,6 +536,31 @@ def test_a_bad_directory_or_config_json_is_named(tmp_path):
         read_hf_config(str(broken))  # (what the trainer checks init_from with, before it builds any data)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("num_attention_heads"), "{c} (model_type 'llama') lacks ['num_attention_heads']"),
+    (lambda c: c.update(rms_norm_eps="x"), "config.json rms_norm_eps='x' must be a number"),
+    (lambda c: [d.update(rope_theta=None) for d in (c, c.get("rope_parameters") or {})],  # (5.x holds it there)
+     "config.json rope_theta=None must be a number"),
+    (lambda c: c.update(rope_scaling={"rope_type": "linear"}),
+     "config.json rope_scaling of rope_type 'linear': factor=None must be a number"),
+])
+def test_a_config_json_field_missing_or_not_a_number_is_named(llama_dir, tmp_path, edit, message):
+    """A missing num_attention_heads raised a bare KeyError, rms_norm_eps='x' "could not convert string to float:
+    'x'": neither named the field (nor the file). The trainer's early check of an init_from (read_hf_config)
+    finds a missing field too."""
+    directory = tmp_path / "edited"
+    shutil.copytree(llama_dir[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    message = re.escape(message.format(c=repr(str(directory / "config.json"))))
+    with pytest.raises(ValueError, match=message):
+        from_hf(str(directory))
+    if "lacks" in message:
+        with pytest.raises(ValueError, match=message):
+            read_hf_config(str(directory))
+
+
 SHAPE = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8)
 
 

@@ -650,6 +650,59 @@ def test_doc_mask_false_trains_each_row_as_one_sequence_and_is_kept_on_resume(tm
     assert sorted(losses(merged)) == [1, 2]
 
 
+def test_eval_batches_past_the_held_out_rows_evaluate_the_rows_once_and_say_so(tmp_path, cache_dir, capsys):
+    """eval_batches=100000 on a small held-out split padded it to 100000 batches (minutes of forward passes over
+    padding at every evaluation, with nothing printed). The run evaluates the batches the rows fill, as
+    eval_batches set to that number does, says so, and prints each evaluation's loss."""
+    def run(eval_batches):
+        c = tiny(cache_dir, total_steps=1, eval_batches=eval_batches)
+        c.data.update(source="synthetic", n_synthetic=300)
+        return c
+
+    workdir = str(tmp_path / "many")
+    capsys.readouterr()
+    train(run(100000), workdir)
+    out = capsys.readouterr().out
+    filled = int(re.search(r"note: eval_batches=100000, but the held-out rows fill (\d+) batches of 8: each "
+                           r"evaluation reads those", out).group(1))
+    assert 1 <= filled < 100
+    [record] = read_metrics(workdir, kind="eval")
+    assert re.search(rf"step 1: held-out loss {record['loss']:.4f}, perplexity {record['perplexity']:.2f} "
+                     rf"\({filled} batches, [\d.]+ s\)", out), out
+    exact = str(tmp_path / "exact")
+    train(run(filled), exact)
+    assert "note: eval_batches" not in capsys.readouterr().out
+    [want] = read_metrics(exact, kind="eval")
+    assert (record["loss"], record["tokens"]) == (want["loss"], want["tokens"])
+
+
+def test_data_problems_are_config_errors_found_before_the_model(tmp_path, cache_dir, monkeypatch):
+    """A corpus the settings cannot use (no held-out documents, a bad line) failed with a traceback, the
+    evaluation split's only once the model was built; each is a ConfigError (one line on the command line) before
+    the model is built."""
+    monkeypatch.setattr(trainer, "init_model", lambda *a, **k: pytest.fail("built the model first"))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(40)))
+    config = tiny(cache_dir, total_steps=1, eval_batches=1)
+    config.data.update(source="jsonl", paths=(str(corpus),), vocab_size=300, eval_fraction=1e-9)
+    with pytest.raises(ConfigError, match=r"^data: there are no evaluation documents \(0 of 40"):
+        train(config, str(tmp_path / "no_eval"))
+    corpus.write_text(corpus.read_text() + "{not json\n")
+    config.data.eval_fraction = 0.1
+    with pytest.raises(ConfigError, match=r"^data: .*line 41: not valid JSON"):
+        train(config, str(tmp_path / "bad_line"))
+
+
+def test_a_resume_may_change_the_cache_dir(tmp_path, cache_dir):
+    """data.cache_dir only says where tokenizers are cached (a resume keeps the workdir's tokenizer and checks its
+    data): a run moved to a machine with another cache path was refused as 'a different config'."""
+    workdir, straight = str(tmp_path / "run"), str(tmp_path / "straight")
+    train(tiny(cache_dir, total_steps=2), straight)
+    train(tiny(cache_dir, total_steps=2), workdir, stop_after=1)
+    train(tiny(str(tmp_path / "another_cache"), total_steps=2), workdir)
+    assert losses(workdir) == losses(straight)
+
+
 def test_a_config_that_leaves_keys_at_their_defaults_resumes(tmp_path, cache_dir):
     """check_config reads the keys a config leaves out at their defaults: such a run trained, but its resume failed
     (KeyError 'total_steps' in the schedule check), and writing a default out was 'a different config'."""
@@ -1546,6 +1599,9 @@ def test_an_unsupported_hugging_face_directory_is_a_config_error(tmp_path, cache
     ('{"model_type": "gpt_neox"}', "hf", "{d}: unsupported model_type='gpt_neox' in {c}"),
     ('["llama"]', "hf", "{d}: {c} holds a JSON array; expected a JSON object"),
     ("{model_type: llama}", "hf", "{d}: {c} is not valid JSON"),
+    ('{"model_type": "qwen2", "hidden_size": 8}', "hf",
+     "{d}: {c} (model_type 'qwen2') lacks ['vocab_size', 'num_hidden_layers', 'num_attention_heads', "
+     "'intermediate_size']"),
     (None, "hf", "{d} is neither a Hugging Face model directory (config.json next to *.safetensors weights) nor a "
                  "focal_jax run (no checkpoint in {checkpoints}): {d} has no config.json"),
     ('{"model_type": "llama"}', "llama", "{d} is a Hugging Face directory: set model.family='hf'"),
@@ -2224,6 +2280,34 @@ def test_a_damaged_checkpoint_is_refused_by_name_when_loaded_and_when_resumed(tm
         train(partial, frozen_missing)
     with pytest.raises(ConfigError, match=re.escape(f"is missing parameters its run saved: ['{q_proj}']")):
         load_model(frozen_missing)
+
+
+@pytest.mark.parametrize("damage", ["params removed", "opt_state removed", "a params file cut short"])
+def test_a_checkpoint_with_an_item_or_file_lost_is_refused_in_one_line_naming_its_step(tmp_path, cache_dir, damage):
+    """A checkpoint whose params or opt_state directory was lost, or one of whose files was cut short (a partial
+    copy), failed with orbax's KeyError or tensorstore's OUT_OF_RANGE traceback on resume and in every evaluator.
+    It is a ConfigError naming the step and the directory to delete."""
+    workdir = str(tmp_path / "run")
+    train(tiny(cache_dir, total_steps=1), workdir)
+    trained = load_model(workdir).layers[0].mlp.up_proj.kernel[...]
+    step_dir = os.path.join(checkpoint.checkpoint_dir(workdir), "1")
+    item = os.path.join(step_dir, damage.split()[0] if "removed" in damage else "params")
+    if "removed" in damage:
+        shutil.rmtree(item)
+    else:
+        files = [os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs if os.path.basename(d) == "d"]
+        assert files, os.listdir(item)
+        for path in files:
+            open(path, "w").close()
+    refusal = re.escape(f"the checkpoint of step 1 in {workdir!r} cannot be read: it is damaged or partly copied (")
+    refusal += f".*delete its directory {re.escape(step_dir)} to resume from the step before"
+    with pytest.raises(ConfigError, match=refusal):
+        train(tiny(cache_dir, total_steps=2), workdir)
+    if damage == "opt_state removed":  # evaluation reads no optimizer state
+        np.testing.assert_array_equal(load_model(workdir).layers[0].mlp.up_proj.kernel[...], trained)
+    else:
+        with pytest.raises(ConfigError, match=refusal):
+            load_model(workdir)
 
 
 def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path, cache_dir):

@@ -42,6 +42,9 @@ def check_qkv(q, k, v):
             raise ValueError(f"{name} must have shape [batch, seq, heads, head_dim], got shape {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} must have no empty axis (at least one batch row, token, head and head_dim "
+                             f"entry), got shape {x.shape}")
     b, t, h, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
@@ -96,8 +99,9 @@ def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
 
 
 def check_number_or_array(name, value):
-    """Refuses by name what is neither a number nor an array (a string, a list: the bare TypeError of jnp)."""
-    if not (isinstance(value, NUMBERS) or is_array(value)):
+    """Refuses by name what is neither a number nor an array (a string, a list: the bare TypeError of jnp), and a
+    bool (an int to Python: `temperature=True` would read as 1)."""
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, NUMBERS) or is_array(value)):
         raise ValueError(f"{name} must be a number or an array (a list: convert it with jnp.asarray), got "
                          f"{_shown(name, value)}")
 
@@ -214,6 +218,18 @@ def check_membership_dtype(membership):
     if jnp.issubdtype(membership.dtype, jnp.floating):
         raise ValueError(f"membership must be a bool array (e.g. topk_membership(g, k)), got dtype "
                          f"{membership.dtype}: every nonzero score would count as membership")
+
+
+def check_valid(valid, batch, seq):
+    """None, or a bool (or integer 0 / 1) array `[batch, seq]` of the tokens that count."""
+    if valid is None:
+        return
+    check_array("valid", valid, f"[batch, seq] = {(batch, seq)}")
+    if tuple(valid.shape) != (batch, seq):
+        raise ValueError(f"valid must have shape [batch, seq] = {(batch, seq)}, got shape {valid.shape}")
+    if not (jnp.issubdtype(valid.dtype, jnp.bool_) or jnp.issubdtype(valid.dtype, jnp.integer)):
+        raise ValueError(f"valid must be a bool array [batch, seq] (True: the token counts), got dtype "
+                         f"{valid.dtype}: every nonzero value would count as valid")
 
 
 def check_focus_inputs(q, k, v, groups_like, name, window, segment_ids, sink):

@@ -382,7 +382,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
       `[B, T, H, Dv]` in v's dtype. Products run in the dtype q, k and v promote to, with float32 accumulation;
       the softmax in float32.
     """
-    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    dtype, out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype), v.dtype
     if isinstance(multiplier, numbers.Real):
         scale, per_query = float(multiplier), None
     else:
@@ -393,7 +393,7 @@ def decomposed_attention(q, k, v, membership, *, multiplier, window, segment_ids
     if sink:
         out = with_sink(out, lse, q, k, v, membership, multiplier=multiplier, window=window,
                         segment_ids=segment_ids, sink=sink, softcap=softcap)
-    return out.astype(v.dtype)
+    return out.astype(out_dtype)
 
 
 # Jitted as a whole: called eagerly, its loops over new closures compiled afresh at every call (0.8 s at T = 256).

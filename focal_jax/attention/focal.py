@@ -116,7 +116,9 @@ def focal_attention(q, k, v, *, temperature=1.0, scale=None, causal=True, window
       scale: logit scale, default `1/sqrt(D)`.
       causal: key j visible to query i only if j <= i.
       window: if set, key j is visible only if `0 <= i - j <= window` (`|i - j| <= window` when not causal).
-      segment_ids: int `[B, T]`; tokens attend only within their own segment (packed documents).
+      segment_ids: int `[B, T]`; tokens attend only within their own segment (packed documents). The v of
+        padding must be finite, as with `jax.nn.dot_product_attention`: a NaN or inf in any v reaches every
+        output through `0 * NaN` in the value product, masked or not.
       softcap: None, or cap the scaled logits as `softcap * tanh(logits / softcap)` (Gemma-2 style).
 
     Returns:

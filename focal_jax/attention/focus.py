@@ -51,7 +51,9 @@ def routing_scores(h, w_g, centroids, *, tau=0.1, normalize=True):
         raise ValueError(f"centroids must have shape [K, d_g={w_g.shape[1]}], got shape {centroids.shape}")
     if centroids.shape[0] < 1:
         raise ValueError(f"centroids must hold at least one group (K >= 1), got K={centroids.shape[0]}")
+    _validate.check_scalar("tau", tau)
     _validate.check_positive("tau", tau)
+    _validate.check_bool("normalize", normalize)
     projected = h.astype(jnp.float32) @ w_g.astype(jnp.float32)
     centroids = centroids.astype(jnp.float32)
     if normalize:
@@ -115,6 +117,7 @@ def focus_attention(q, k, v, g, *, window=128, gate="paper", lam=10.0, temperatu
     """
     b, t = _validate.check_focus_inputs(q, k, v, g, "g", window, segment_ids, sink)
     _validate.check_choice("gate", gate, GATES)
+    _validate.check_scalar("lam", lam)
     _validate.check_positive("lam", lam)  # (lam < 0 would gate the pairs of shared groups most)
     _validate.check_finite("lam", lam)  # (lam = inf: inf * 0 = NaN logits wherever the affinity is 0, or 1/2)
     multiplier = _validate.logit_multiplier(q, scale, temperature)

@@ -73,10 +73,7 @@ def sinkhorn(scores, *, n_iters=10, segment_ids=None, valid=None, causal=False, 
     _validate.check_bool("unroll", unroll)
     _validate.check_bool("causal", causal)
     _validate.check_segment_ids(segment_ids, b, t)
-    if valid is not None:
-        _validate.check_array("valid", valid, f"[batch, seq] = {(b, t)}")
-    if valid is not None and tuple(valid.shape) != (b, t):
-        raise ValueError(f"valid must have shape [batch, seq] = {(b, t)}, got shape {valid.shape}")
+    _validate.check_valid(valid, b, t)
     valid = jnp.ones((b, t), bool) if valid is None else valid.astype(bool)
     return _balanced(scores, segment_ids, valid, n_iters=int(n_iters), causal=bool(causal), unroll=bool(unroll))
 

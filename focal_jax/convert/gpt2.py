@@ -17,12 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._validation import float_field
 from focal_jax.convert.safetensors_io import (StoredTensors, TensorsInMemory, tensors_equal, to_array,
                                               variable_paths)
 from focal_jax.nn.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from focal_jax.nn.variables import Centroid, Temperature
 
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+REQUIRED_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")  # of a GPT-2 config.json
 
 
 def config_from_hf(config_json: dict, **overrides) -> GPT2Config:
@@ -42,13 +46,12 @@ def config_from_hf(config_json: dict, **overrides) -> GPT2Config:
     if activation not in ACTIVATIONS:
         raise ValueError(f"GPT-2 config.json activation_function={activation!r} is not supported; choices "
                          f"{sorted(ACTIVATIONS)}")
-    required = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
-    missing = [key for key in required if key not in config_json]
+    missing = [key for key in REQUIRED_KEYS if key not in config_json]
     if missing:
         raise ValueError(f"GPT-2 config.json lacks {missing}")
     fields = dict(vocab_size=config_json["vocab_size"], n_positions=config_json["n_positions"],
                   d_model=config_json["n_embd"], n_layers=config_json["n_layer"], n_heads=config_json["n_head"],
-                  layer_norm_eps=float(config_json.get("layer_norm_epsilon", 1e-5)),
+                  layer_norm_eps=float_field(config_json, "layer_norm_epsilon", 1e-5, "GPT-2 config.json"),
                   d_ff=config_json.get("n_inner"), activation=activation)
     known = {f.name for f in dataclasses.fields(GPT2Config)}
     unknown = sorted(set(overrides) - known)

@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from focal_jax._validation import float_field
+from focal_jax.convert.gpt2 import REQUIRED_KEYS as GPT2_REQUIRED_KEYS
 from focal_jax.convert.gpt2 import build_gpt2, gpt2_hf_config, gpt2_tensors
 from focal_jax.convert.safetensors_io import StoredTensors, tensors_equal, to_array, variable_paths
 from focal_jax.nn.gpt2 import GPT2
@@ -76,29 +78,38 @@ def _rope(hf):
     # whole (5.x), and keys neither holds, rope_theta among them, come from the top level.
     rope = {**hf, **(hf.get("rope_scaling") or hf.get("rope_parameters") or {})}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(rope.get("rope_theta", 10000.0))
+    theta = float_field(rope, "rope_theta", 10000.0, "config.json")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported (rotary "
                          f"embeddings over the whole head only)")
     if rope_type == "default":
         return theta, {}
+
+    def factor(key):
+        return float_field(rope, key, None, f"config.json rope_scaling of rope_type {rope_type!r}:")
+
     if rope_type == "dynamic":
-        return theta, {"rope_ntk_factor": float(rope["factor"]), "rope_trained_len": int(hf["max_position_embeddings"])}
+        return theta, {"rope_ntk_factor": factor("factor"), "rope_trained_len": int(hf["max_position_embeddings"])}
     if rope_type == "linear":
-        return theta, {"rope_linear_factor": float(rope["factor"])}
+        return theta, {"rope_linear_factor": factor("factor")}
     if rope_type == "llama3":
         # As transformers: a top-level original_max_position_embeddings wins, then the rope dict's, then max_position.
         original_len = (hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
                         or hf["max_position_embeddings"])
-        return theta, {"rope_llama3": (float(rope["factor"]), float(rope["low_freq_factor"]),
-                                       float(rope["high_freq_factor"]), int(original_len))}
+        return theta, {"rope_llama3": (factor("factor"), factor("low_freq_factor"), factor("high_freq_factor"),
+                                       int(original_len))}
     raise ValueError(f"rope type {rope_type!r} is not supported (only 'default', 'dynamic', 'linear' and 'llama3' "
                      f"RoPE)")
+
+
+LLAMA_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 def llama_config_from_hf(hf) -> LlamaConfig:
     """The `LlamaConfig` of a Hugging Face llama / mistral / qwen2 / qwen3 / olmo2 config dict."""
     model_type = hf["model_type"]
+    if missing := [key for key in LLAMA_REQUIRED_KEYS if key not in hf]:
+        raise ValueError(f"{model_type} config.json lacks {missing}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     if model_type in ("llama", "mistral", "qwen3", "olmo2") and hf.get("attention_bias", False):
@@ -122,7 +133,7 @@ def llama_config_from_hf(hf) -> LlamaConfig:
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         intermediate=hf["intermediate_size"], n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, rope_theta=rope_theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6)),
+        norm_eps=float_field(hf, "rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6, "config.json"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2", qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
         post_norm=model_type == "olmo2", attn=attn)
@@ -210,6 +221,9 @@ def read_hf_config(directory) -> dict:
     model_type = hf.get("model_type")
     if model_type not in LOADERS:
         raise ValueError(f"unsupported model_type={model_type!r} in {config_path!r}; supported: {sorted(LOADERS)}")
+    required = GPT2_REQUIRED_KEYS if model_type == "gpt2" else LLAMA_REQUIRED_KEYS
+    if missing := [key for key in required if key not in hf]:
+        raise ValueError(f"{config_path!r} (model_type {model_type!r}) lacks {missing}")
     return hf
 
 

@@ -83,18 +83,22 @@ class Data:
         """The first `n` held-out batches -> list of dicts, each `[local_batch, seq_len]` per key.
 
         Deterministic (no shuffling): global eval batch `s` is eval rows `[s * global_batch, (s + 1) * global_batch)`
-        and this process gets its share, as in training. When the eval split has fewer rows, the remaining rows are
-        padding (`loss_mask` 0), so a loss summed with `loss_mask` and divided by `loss_mask.sum()` over all
-        batches (and processes) is exact. Streaming: the rows are read on the first call, only as many as needed
+        and this process gets its share, as in training. When the eval split has fewer than `n` batches of rows,
+        there are fewer batches: as many as its rows fill, the last one completed with padding rows (`loss_mask`
+        0), so a loss summed with `loss_mask` and divided by `loss_mask.sum()` over all batches (and processes) is
+        exact. Streaming: the rows are read on the first call, only as many as needed
         (`focal_jax.data.streaming.EvalRows`).
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got n={n!r}")
-        if self.streaming:
-            rows = self.eval_source.rows(n * self.global_batch)
-        elif self.n_eval_documents == 0:
+        if not self.streaming and self.n_eval_documents == 0:
             raise ValueError(f"there are no evaluation documents (0 of {self.n_train_documents} documents held out): "
                              f"raise eval_fraction")
+        held_out = (self.eval_source.count(n * self.global_batch) if self.streaming
+                    else len(next(iter(self.eval_rows.values()))))
+        n = min(n, -(-held_out // self.global_batch))
+        if self.streaming:
+            rows = self.eval_source.rows(n * self.global_batch)
         else:
             rows = {k: _padded_rows(v, n * self.global_batch) for k, v in self.eval_rows.items()}
         starts = [s * self.global_batch + self.process_index * self.local_batch for s in range(n)]

@@ -529,8 +529,23 @@ class EvalRows:
         self._iterator = None
         self._done = False
 
+    def count(self, n: int) -> int:
+        """How many of the first `n` held-out rows hold documents (fewer than `n` past the end of the split)."""
+        self._read(n)
+        return min(n, len(self._rows))
+
     def rows(self, n: int) -> Batch:
         """The first `n` held-out rows -> dict of `[n, seq_len]` arrays (zero rows past the end)."""
+        self._read(n)
+        seq_len = self.config.seq_len
+        out = {}
+        for k in PACKED_KEYS:
+            have = np.stack([r[k] for r in self._rows[:n]])
+            out[k] = np.concatenate([have, np.zeros((n - len(have), seq_len), have.dtype)])
+        return out if self.config.doc_mask else merge_documents(out)
+
+    def _read(self, n: int):
+        """Reads held-out rows until `n` are kept or the split ends; ValueError when it has none."""
         if self.plan is None:
             raise ValueError("there are no evaluation documents: streaming with eval_fraction=0 and no eval_paths; "
                              "set eval_paths (held-out files) or eval_fraction > 0")
@@ -552,9 +567,3 @@ class EvalRows:
                      f"paths={self.config.paths} with eval_fraction={self.config.eval_fraction}")
             raise ValueError(f"there are no evaluation documents: {where} gave none (raise eval_fraction or set "
                              f"eval_paths)")
-        seq_len = self.config.seq_len
-        out = {}
-        for k in PACKED_KEYS:
-            have = np.stack([r[k] for r in self._rows[:n]])
-            out[k] = np.concatenate([have, np.zeros((n - len(have), seq_len), have.dtype)])
-        return out if self.config.doc_mask else merge_documents(out)

@@ -25,6 +25,18 @@ def rope_ntk_factor(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (`--batches`, `--batch-size`, `--seq-len`, ...): an integer >= 1; anything else is a
+    usage error naming the value (rather than a message naming the function argument it reaches)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def mesh_shape(text: str) -> dict:
     """argparse type of `--mesh`: `AXIS=SIZE[,AXIS=SIZE...]` over the axes `MESH_AXES`, each size an integer >= 1
     or -1 (the rest of the devices), each axis once -> {axis: size}; anything else is a usage error naming it.

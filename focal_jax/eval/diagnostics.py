@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from focal_jax.data import build_data, tokenizer_file
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import segment_positions
 from focal_jax.nn.models import attention_layers, check_model
@@ -615,19 +615,18 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m focal_jax.eval.diagnostics", description=main.__doc__)
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
-    parser.add_argument("--batches", type=int, default=4, help="held-out batches (default 4)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the trained length)")
-    parser.add_argument("--batch-size", type=int, default=None, help="rows per batch (default: as trained)")
+    parser.add_argument("--batches", type=positive_int, default=4, help="held-out batches (default 4)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per row (default: the trained length)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="rows per batch (default: as trained)")
     parser.add_argument("--topk", type=int, default=None,
                         help="analyse the hard top-k form of a Focus model (default: as configured)")
-    parser.add_argument("--top", type=int, default=8, help="tokens per group in the top-token table")
+    parser.add_argument("--top", type=positive_int, default=8, help="tokens per group in the top-token table")
     parser.add_argument("--no-entropy", action="store_true", help="skip the attention entropy")
     parser.add_argument("--mesh", type=mesh_shape, default=None, help=MESH_HELP)
     parser.add_argument("--out", help="write the result as JSON here")
     parser.add_argument("--png", help="write the entropy heatmap and dominance plot here")
     args = parser.parse_args(argv)
-    if args.top < 1:
-        parser.error(f"--top must be an integer >= 1, got --top={args.top}")
     for flag, path in (("--out", args.out), ("--png", args.png)):  # checked now, not after the evaluation
         if path and (problem := output_file_error(flag, path, make_folder=True)):
             parser.error(problem)

@@ -98,7 +98,8 @@ from typing import Callable
 import numpy as np
 
 from focal_jax._validation import check_distinct, check_int
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, rope_ntk_factor
+from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int,
+                                 rope_ntk_factor)
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 
@@ -1167,11 +1168,12 @@ def main(argv=None) -> dict:
                              f"groups: {','.join(GROUPS)}")
     parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated input lengths in tokens (prompt + generation)")
-    parser.add_argument("--n", type=int, default=None, help="examples per dataset and length (default HELMET's)")
+    parser.add_argument("--n", type=positive_int, default=None,
+                        help="examples per dataset and length (default HELMET's)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     parser.add_argument("--fit", choices=FITS, default="drop",
                         help="drop whole passages / demonstrations (default) or truncate the context (HELMET)")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
     parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only; the "

@@ -35,7 +35,8 @@ from flax import nnx
 
 from focal_jax.attention import topk_membership
 from focal_jax.attention.sink import sink_key_mask
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, rope_ntk_factor
+from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int,
+                                 rope_ntk_factor)
 from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
                                         is_focus, load_run, prefix_sums, real_tokens, routed_layers)
 from focal_jax.nn.attention import IMPLS, record_attention
@@ -339,11 +340,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--workdir", required=True, help="a focal_jax training run directory")
     parser.add_argument("--step", type=int, default=None,
                         help="a saved checkpoint step (default: the latest), e.g. for a curve over training")
-    parser.add_argument("--batches", type=int, default=8, help="held-out batches (default 8)")
+    parser.add_argument("--batches", type=positive_int, default=8, help="held-out batches (default 8)")
     parser.add_argument("--topk", default=None, help="hard top-k rows: 'all' (the default for Focus models) or "
                                                      "comma-separated k, e.g. 1,2")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default: the trained length)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per row (default: the trained length)")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="rows per batch (default: the run's, scaled to keep the tokens per batch)")
     parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")

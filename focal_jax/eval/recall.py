@@ -39,7 +39,8 @@ from matplotlib.figure import Figure
 
 from focal_jax._validation import check_distinct, check_int
 from focal_jax.data.synthetic import Example, make_examples, score
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_dir_error, rope_ntk_factor
+from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_dir_error, positive_int,
+                                 rope_ntk_factor)
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.models import attention_layers
@@ -351,9 +352,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {','.join(TASKS)}")
     parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated target prompt lengths in tokens")
-    parser.add_argument("--n", type=int, default=20, help="examples per task and length")
+    parser.add_argument("--n", type=positive_int, default=20, help="examples per task and length")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
     parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")

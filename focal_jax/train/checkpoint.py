@@ -59,6 +59,33 @@ def workdir_lock(workdir: str):
         yield
 
 
+@contextlib.contextmanager
+def reading(workdir: str, step: int):
+    """Reads checkpoint `step` of `workdir` in this block: orbax's errors on a damaged or partly copied checkpoint
+    (an item directory missing, a file cut short: KeyError, ValueError, OSError, each with a long traceback) become
+    one ConfigError naming the step and what to do."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (KeyError, ValueError, OSError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"the checkpoint of step {step} in {workdir!r} cannot be read: it is damaged or partly "
+                          f"copied ({type(e).__name__}: {first_line[:300]}); delete its directory "
+                          f"{os.path.join(checkpoint_dir(workdir), str(step))} to resume from the step before, or "
+                          f"copy it again") from None
+
+
+@contextlib.contextmanager
+def open_manager(workdir: str):
+    """`make_manager(workdir, create=False)` for reading, closed when the block ends without an error. (Closed
+    after a failed read of a damaged checkpoint, its pending reads printed dozens of 'Event loop is closed'
+    tracebacks after the error; left open, one.)"""
+    manager = make_manager(workdir, create=False)
+    yield manager
+    manager.close()
+
+
 def make_manager(workdir: str, *, keep: int = 3, create: bool = True) -> ocp.CheckpointManager:
     """The CheckpointManager over `WORKDIR/checkpoints`, keeping the last `keep` steps, saving asynchronously.
     With `create=False` it makes no directory (for reading a workdir that may hold no run)."""
@@ -86,23 +113,26 @@ def restore(manager: ocp.CheckpointManager, step: int, *, params, opt_state, par
     args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params, params_sharding)),
                               opt_state=ocp.args.StandardRestore(_abstract(opt_state, opt_sharding)),
                               data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
-    restored = manager.restore(step, args=args)
+    with reading(os.path.dirname(str(manager.directory)), step):  # (the workdir of WORKDIR/checkpoints)
+        restored = manager.restore(step, args=args)
     return restored["params"], restored["opt_state"], restored["data"], restored["meta"]
 
 
 def read_meta(workdir: str, step: int | None = None) -> tuple[int, dict]:
     """`(step, meta)` of a focal_jax workdir's latest (or given) checkpoint; ValueError if it has none."""
-    manager = make_manager(workdir, create=False)
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise ValueError(f"{workdir!r} holds no checkpoint (looked in {checkpoint_dir(workdir)})")
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    with open_manager(workdir) as manager:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"{workdir!r} holds no checkpoint (looked in {checkpoint_dir(workdir)})")
+        with reading(workdir, step):
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     return step, meta
 
 
 def saved_steps(workdir: str) -> list[int]:
     """The steps of the checkpoints a workdir keeps, in order (empty if none)."""
-    return sorted(make_manager(workdir, create=False).all_steps())
+    with open_manager(workdir) as manager:
+        return sorted(manager.all_steps())
 
 
 def require_step(workdir: str, step: int | None, why: str = ""):
@@ -117,8 +147,8 @@ def require_step(workdir: str, step: int | None, why: str = ""):
 
 def saved_param_paths(workdir: str, step: int) -> dict[str, tuple]:
     """`{path: shape}` of the parameters saved in a workdir's checkpoint `step` (read from metadata only)."""
-    manager = make_manager(workdir, create=False)
-    tree = manager.item_metadata(step)["params"]
+    with open_manager(workdir) as manager, reading(workdir, step):
+        tree = manager.item_metadata(step)["params"]
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
     return {path_str(p): tuple(m.shape) for p, m in flat}
 
@@ -126,9 +156,9 @@ def saved_param_paths(workdir: str, step: int) -> dict[str, tuple]:
 def load_params(workdir: str, step: int, target: dict, shardings: dict) -> dict:
     """The parameters saved at `step` of `workdir`, as a pure dict with `target`'s structure, shapes, dtypes and
     shardings. The checkpoint must hold exactly `target`'s parameters."""
-    manager = make_manager(workdir, create=False)
     args = ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(target, shardings)))
-    return manager.restore(step, args=args)["params"]
+    with open_manager(workdir) as manager, reading(workdir, step):
+        return manager.restore(step, args=args)["params"]
 
 
 def is_hf_directory(path: str) -> bool:

@@ -379,7 +379,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunConfig:
 # config). `model.init_std` draws parameters that the checkpoint then replaces (the trainer refuses a change for a
 # run stored before 0.6.9 whose frozen parameters are its seed's draws).
 RESUMABLE_CHANGES = ("total_steps", "optim.decay_steps", "log_every", "eval_every", "eval_batches", "ckpt_every",
-                     "keep_checkpoints", "mesh", "data.prefetch", "model.init_std")
+                     "keep_checkpoints", "mesh", "data.prefetch", "data.cache_dir", "model.init_std")
 
 
 def task_kwargs_dict(value) -> dict:

@@ -170,6 +170,12 @@ class Progress:
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(int(step) - self.bar.n)
 
+    def write(self, message: str) -> None:
+        """Print ``message`` on stdout on a line of its own, above the bar (nothing when the bar is disabled)."""
+        if not self.bar.disable:
+            self.bar.write(message, file=sys.stdout)
+            sys.stdout.flush()
+
     def close(self) -> None:
         """Close the bar (prints its final state)."""
         self.bar.close()

@@ -711,11 +711,18 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
 
     # ---------------------------------------------------------------- Data
     # A resumed run keeps the tokenizer its workdir holds (check_resumed_data), rather than one built anew.
+    # (what the files or the settings cannot give, e.g. no held-out documents, is found here: before the model)
     try:
         data = build_data(run.data, global_batch=run.batch_size, seed=run.seed,
                           workdir=workdir if resume_step is None else None)
+        eval_batches = data.eval_batches(run.eval_batches) if run.eval_batches else []
     except VocabSizeError as e:
         raise ConfigError(f"data.{e}") from None
+    except ValueError as e:
+        raise ConfigError(f"data: {e}") from None
+    if len(eval_batches) < run.eval_batches:
+        log(f"note: eval_batches={run.eval_batches}, but the held-out rows fill {len(eval_batches)} batches of "
+            f"{run.batch_size}: each evaluation reads those")
     if resume_step is not None:
         check_resumed_data(workdir, data, stored)
     log(f"data: {data.describe()}, vocab {data.tokenizer.vocab_size}")
@@ -811,7 +818,6 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     train_step = jax.jit(train_step, donate_argnums=(0, 1),
                          out_shardings=(trainable_sharding, opt_sharding, None))
     eval_step = jax.jit(eval_step)
-    eval_batches = data.eval_batches(run.eval_batches) if run.eval_batches else []
     tokens_per_step = run.batch_size * run.data.seq_len
     lr_schedule = learning_rate_schedule(run.optim, run.total_steps)
     peak = peak_flops()
@@ -823,11 +829,23 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
     writer = MetricWriter(workdir, resume_step=-1 if resume_step is None else start_step)
     progress = Progress(run.total_steps, initial_step=start_step)
     logged, last_time, last_step = [], time.perf_counter(), start_step
+
+    def evaluate_and_write(step) -> float:
+        """Evaluates the current parameters on the held-out batches, writes and prints the result; returns the
+        seconds it took."""
+        start = time.perf_counter()
+        result = evaluate(eval_step, trainable, frozen, eval_batches, mesh)
+        writer.write(step, result, kind="eval")
+        seconds = time.perf_counter() - start
+        progress.write(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+                       f"({len(eval_batches)} batches, {seconds:.1f} s)")
+        return seconds
+
     # The mesh context lets the Pallas kernels run per shard (`focal_jax.kernels.partition`); the steps trace here.
     with StopSignal(install=jax.process_count() == 1) as stop, jax.set_mesh(mesh), saves_finished(manager):
         if run.total_steps == 0 and resume_step is None:  # a zero-shot baseline: the starting model, evaluated, saved
             if eval_batches:
-                writer.write(0, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
+                evaluate_and_write(0)
             checkpoint.save(manager, 0, params=saved_params(trainable), opt_state=opt_state,
                             data_state=data_iter.get_state(), meta={**meta, "step": 0}, force=True)
         for step in range(start_step + 1, run.total_steps + 1):
@@ -851,9 +869,7 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
             # out, each clocked once the steps dispatched before it have run
             if eval_batches and (step % run.eval_every == 0 or step == run.total_steps):
                 jax.block_until_ready(trainable)
-                eval_start = time.perf_counter()
-                writer.write(step, evaluate(eval_step, trainable, frozen, eval_batches, mesh), kind="eval")
-                last_time += time.perf_counter() - eval_start
+                last_time += evaluate_and_write(step)
 
             preempted = stop.received or manager.reached_preemption(step)
             stopping = preempted or step == stop_after
