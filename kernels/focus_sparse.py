@@ -752,12 +752,21 @@ _TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
 @contextlib.contextmanager
 def target_platform(platform: str):
     """Within this context `default_backend()` is that of `platform` ('gpu', 'tpu' or 'cpu') instead of this
-    process's default: for compiling for a device the process does not have (`compile_only.compile_for`)."""
+    process's default: for lowering or compiling for a device the process does not have, e.g.
+
+        with target_platform('gpu'):
+            lowered = jax.jit(f).trace(*args).lower(lowering_platforms=('cuda',))
+
+    (`compile_only.compile_for` does so). jax's caches of traced functions are cleared on entering and leaving it:
+    the backend is chosen at trace time, which they do not key on, so a function traced before would keep the
+    kernels of the other platform."""
+    jax.clear_caches()
     token = _TARGET_PLATFORM.set(platform)
     try:
         yield
     finally:
         _TARGET_PLATFORM.reset(token)
+        jax.clear_caches()
 
 
 def platform() -> str:
@@ -1137,11 +1146,14 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
 
     q `[B, T, H, D]`, k `[B, T, Hk, D]`, v `[B, T, Hk, Dv]`, membership bool `[B, T, K]`, multiplier (scale /
     temperature) a number or an array, scalar or `[B, T, H]`, segment_ids int `[B, T]` or None -> `[B, T, H, Dv]`
-    in v's dtype. A number is applied to the float32 scores inside the kernels (and to dq, dk there); an array, which
-    may be traced (a learned temperature), scales q in q's dtype before them, and its gradient flows through that.
+    in v's dtype. The multiplier, a number or an array (which may be traced: a learned temperature), multiplies
+    each row of the float32 scores inside the kernels (and dq, dk there); an array's gradient is computed there too.
     Matmuls run in the inputs' dtype with float32 accumulation; differentiable in q, k, v and an array multiplier. For
     float32 inputs they follow jax's default matmul precision, as XLA's own products do: TF32 on a recent GPU unless
     `jax.default_matmul_precision('float32')` asks for full float32.
+    `backend`'s default is chosen when the call is traced, from this process's platform: to lower for a platform it
+    does not have (`jax.jit(f).trace(...).lower(lowering_platforms=('cuda',))`), trace inside
+    `target_platform('gpu')` (or 'tpu'), or the program lowered holds the CPU interpreter's kernels.
     `block_size`: set A's tile (entries; default 64, 128 on TPU, whose tiles are 128 wide); `band_block_size`: set
     B's tile (tokens; default 32, small because the band needs only `window + 1` keys per query and a tile of b
     queries reads `b + window` keys; 128 on TPU). `backend`: one of `BACKENDS`; default `default_backend()`.
@@ -1167,6 +1179,7 @@ def focus_sparse_pallas(q, k, v, membership, *, multiplier, window, segment_ids=
     _validate.check_focus_inputs(q, k, v, membership, "membership", window, segment_ids, sink)
     _validate.check_membership_dtype(membership)
     _validate.check_softcap(softcap)
+    _validate.check_positive("multiplier", multiplier)
     _validate.check_finite("multiplier", multiplier)
     _validate.check_max_groups(membership, max_groups)
     backend = default_backend() if backend is None else backend

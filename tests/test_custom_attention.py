@@ -1,5 +1,7 @@
 """`register_attention`: a function registered by name becomes an attention kind of the models and the trainer."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from flax import nnx
 
 from focal_jax.attention import reference
-from focal_jax.nn.attention import AttentionConfig, CUSTOM_KINDS, check_decodable, register_attention
+from focal_jax.nn.attention import Attention, AttentionConfig, CUSTOM_KINDS, check_decodable, register_attention
 from focal_jax.nn.llama import Llama, LlamaConfig
 
 
@@ -53,3 +55,34 @@ def test_bad_registrations_and_kinds_name_the_value(sharp_attention):
             AttentionConfig(**shape, kind=sharp_attention, **{name: value})
     with pytest.raises(ValueError, match="has no KV-cache form"):
         check_decodable(AttentionConfig(**shape, kind=sharp_attention))
+    # a function without segment_ids failed at the first call, with Python's unexpected-keyword TypeError
+    with pytest.raises(ValueError, match=r"fn must take the keyword argument segment_ids .* 'plain' takes \['q', "
+                                         r"'k', 'v'\]"):
+        def plain(q, k, v):
+            return q
+        register_attention("plain", plain)
+    register_attention("with_kwargs", lambda q, k, v, **kwargs: q)  # (**kwargs takes it)
+    CUSTOM_KINDS.pop("with_kwargs")
+
+
+def test_a_registered_function_of_the_wrong_output_shape_is_named(sharp_attention):
+    """An output of another shape failed in a reshape ('cannot reshape array of shape (1, 4, 4, 2) into shape
+    (1, 4, 32)') that named no kind."""
+    register_attention("halved_test", lambda q, k, v, *, segment_ids: q[..., :2])
+    try:
+        with pytest.raises(ValueError, match=re.escape("registered as kind='halved_test' must return q's shape "
+                                                       "[B, T, H, D] = (1, 4, 4, 8), got (1, 4, 4, 2)")):
+            model({"kind": "halved_test"})(jnp.zeros((1, 4), jnp.int32))
+    finally:
+        CUSTOM_KINDS.pop("halved_test")
+
+
+def test_the_attention_layer_takes_positions_as_a_list_as_the_models_do():
+    """`Attention(...)(x, positions=[[0, 1, 2, 3]])` raised AttributeError ('list' object has no attribute
+    'shape'); Llama and GPT-2 take lists, and a wrong shape is named."""
+    layer = Attention(AttentionConfig(d_model=16, n_heads=2, n_kv_heads=2, head_dim=8), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (1, 4, 16))
+    np.testing.assert_array_equal(layer(x, positions=[[0, 1, 2, 3]]), layer(x, positions=jnp.arange(4)[None]))
+    with pytest.raises(ValueError, match=re.escape("positions must have shape [batch, seq] = (1, 4), got shape "
+                                                   "(1, 3)")):
+        layer(x, positions=[[0, 1, 2]])

@@ -464,6 +464,27 @@ def test_target_platform_sets_the_default_backend():
     assert ks.default_backend() == here and ks.platform() == jax.default_backend()
 
 
+def test_a_function_traced_before_target_platform_is_lowered_with_that_platforms_kernels():
+    """The backend is chosen at trace time, which jax's trace cache does not key on: a function traced on this CPU
+    and then lowered for 'cuda' inside target_platform('gpu') reused the CPU interpreter's program (no Triton
+    kernel), and one traced inside it leaked the Triton kernels into a later CPU trace. target_platform clears the
+    caches on entering and leaving."""
+    q = jnp.zeros((1, 64, 2, 16), jnp.bfloat16)
+    membership = random_membership(3, 1, 64, 4, 1)
+
+    def f(q):
+        return jnp.sum(focus_sparse_attention(q, q, q, membership, window=4, impl="pallas").astype(jnp.float32))
+
+    def lowered_with_triton():
+        text = jax.jit(f).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+        return "triton" in text.lower()
+
+    assert not lowered_with_triton()  # (what the docstring warns of: the interpreter's kernels)
+    with ks.target_platform("gpu"):
+        assert lowered_with_triton()
+    assert not lowered_with_triton()
+
+
 def test_bad_backend_tpu_block_sizes_triton_launch_and_multiplier_name_the_value():
     q, k, v = rand_qkv(13, 1, 16, 2, 2, 8)
     membership = random_membership(14, 1, 16, 2, 1)
@@ -480,6 +501,9 @@ def test_bad_backend_tpu_block_sizes_triton_launch_and_multiplier_name_the_value
     q, k, v = rand_qkv(13, 1, 4, 4, 4, 8)  # seq == heads: a [batch, seq] multiplier would broadcast as [seq, heads]
     with pytest.raises(ValueError, match=r"= \(1, 4, 4\), got shape \(1, 4\)"):
         ks.dot_product_pallas(q, k, v, multiplier=jnp.ones((1, 4)))
+    for bad in (-1.0, 0.0, -jnp.ones((1, 4, 4))):  # ran (focus_sparse_attention refuses such a scale / temperature)
+        with pytest.raises(ValueError, match="multiplier must be > 0"):
+            ks.dot_product_pallas(q, k, v, multiplier=bad)
 
 
 # ------------------------------------------------------------------------------------------------ the block plan

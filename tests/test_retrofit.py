@@ -574,6 +574,30 @@ def test_kmeans_centroids_in_a_compute_dtype_see_the_inputs_of_a_model_cast_to_i
         kmeans_centroids(make(), batches, key=jax.random.key(0), dtype=jnp.int32)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_kmeans_refuses_tokens_and_positions_out_of_range(kind):
+    """One token id past the vocabulary (or a GPT-2 position past n_positions) in a k-means batch was a NaN row in
+    the jitted forward: every centroid NaN, the model NaN from then on, with only 'mean cosine nan' printed."""
+    if kind == "llama":
+        model = Llama(LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, intermediate=64),
+                      rngs=nnx.Rngs(0))
+    else:
+        model = GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4), rngs=nnx.Rngs(0))
+    focus = FocusConfig(groups=2, dim=8, window=2, init="kmeans")
+    good = np.arange(16, dtype=np.int32).reshape(2, 8)
+    bad = good.copy()
+    bad[1, 3] = 50
+    with pytest.raises(ValueError, match=re.escape("the tokens of batch 1 must be in [0, 50), got values from 0 to "
+                                                   "50")):
+        retrofit(model, focus, init_batches=[good, bad])
+    if kind == "gpt2":
+        with pytest.raises(ValueError, match=re.escape("the positions of batch 0 (GPT-2's n_positions) must be in "
+                                                       "[0, 16), got values from 0 to 19")):
+            retrofit(model, focus, init_batches=[np.zeros((1, 20), np.int32)])
+    retrofit(model, focus, init_batches=[good])
+    assert all(np.isfinite(attn.centroids[...]).all() for attn in _attention(model))
+
+
 def test_kmeans_init_is_asked_for_by_name():
     """`init='kmeans'` needs `init_batches`, and `init_batches` and `progress` need it (which then reports the
     fit of the model's one layer); an unknown init is named."""

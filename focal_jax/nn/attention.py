@@ -7,6 +7,7 @@ parameters and picks the function. `record_attention()` lets diagnostics see eac
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import math
 import warnings
 
@@ -93,6 +94,14 @@ def register_attention(name: str, fn):
         raise ValueError(f"{name!r} is a built-in attention kind; choose another name (built-in: {KINDS})")
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # (a builtin or C function without a signature: taken as it is)
+        parameters = None
+    if parameters is not None and not any(p.name == "segment_ids" or p.kind == p.VAR_KEYWORD for p in parameters):
+        raise ValueError(f"fn must take the keyword argument segment_ids (fn(q, k, v, *, segment_ids)), which "
+                         f"every layer passes; {getattr(fn, '__name__', fn)!r} takes "
+                         f"{[p.name for p in parameters]}")
     CUSTOM_KINDS[name] = fn
     return fn
 
@@ -447,6 +456,7 @@ class Attention(nnx.Module):
             if residual.shape != x.shape:
                 raise ValueError(f"residual must have the shape of x {x.shape}, got shape {residual.shape}")
             tau_x = residual
+        positions = jnp.asarray(positions)  # (a list, as the models take)
         if tuple(positions.shape) != (b, t):
             raise ValueError(f"positions must have shape [batch, seq] = {(b, t)}, got shape {positions.shape}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -536,7 +546,11 @@ class Attention(nnx.Module):
         c = self.config
         tau_x = x if tau_x is None else tau_x
         if c.kind in CUSTOM_KINDS:
-            return CUSTOM_KINDS[c.kind](q, k, v, segment_ids=segment_ids)
+            out = CUSTOM_KINDS[c.kind](q, k, v, segment_ids=segment_ids)
+            if getattr(out, "shape", None) != q.shape:  # (else a reshape error naming no kind, layers later)
+                raise ValueError(f"the attention function registered as kind={c.kind!r} must return q's shape "
+                                 f"[B, T, H, D] = {q.shape}, got {getattr(out, 'shape', type(out).__name__)}")
+            return out
         if c.kind == "dense" or c.kind == "focal":
             temperature = 1.0 if c.kind == "dense" else c.focal_t
             if c.impl == "cudnn":

@@ -191,7 +191,9 @@ class GPT2(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, V]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
-        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, V]`."""
+        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, V]`.
+        A token id outside `[0, V)` or a position outside `[0, n_positions)` is a ValueError when concrete; under
+        `jax.jit` (traced, so unchecked) its embedding row, and so its logits, are NaN."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or 0 in tokens.shape:
             raise ValueError(f"tokens must be integers of shape [batch, seq] (both >= 1), got shape {tokens.shape} "

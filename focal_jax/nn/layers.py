@@ -156,6 +156,12 @@ def as_rngs(rngs, name: str = "rngs") -> nnx.Rngs:
     raise ValueError(f"{name} must be an nnx.Rngs, an integer seed or None, got {name}={rngs!r}")
 
 
+def check_ids(ids: np.ndarray, n: int, what: str):
+    """ValueError naming `what` unless every id of `ids` (a numpy array) is in `[0, n)`."""
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        raise ValueError(f"{what} must be in [0, {n}), got values from {ids.min()} to {ids.max()}")
+
+
 def embed(table: nnx.Embed, ids, *, what: str = "tokens"):
     """Rows `ids [...]` of `table`'s embedding `[N, d]` -> `[..., d]`, in the dtype the embedding has now. (Calling
     `nnx.Embed` promotes to the dtype it was built with, so a table cast to bf16 for the forward pass, as the
@@ -166,9 +172,7 @@ def embed(table: nnx.Embed, ids, *, what: str = "tokens"):
     NaN (a negative id does not wrap around to the end of the table)."""
     n = table.embedding.shape[0]
     if not isinstance(ids, jax.core.Tracer):
-        concrete = np.asarray(ids)
-        if concrete.size and (concrete.min() < 0 or concrete.max() >= n):
-            raise ValueError(f"{what} must be in [0, {n}), got values from {concrete.min()} to {concrete.max()}")
+        check_ids(np.asarray(ids), n, what)
     return jnp.take(table.embedding[...], jnp.where(ids < 0, n, ids), axis=0, mode="fill")
 
 

@@ -166,7 +166,9 @@ class Llama(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None, logits_at=None):
         """Logits `[B, T, vocab]`; with a `cache` (`focal_jax.nn.generate.init_cache`), `(logits, new_cache)`: the
         tokens continue the cached ones, at positions `cache['index'] + 0..T-1` unless `positions` is given.
-        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, vocab]`."""
+        `logits_at [B, P]` (sequence indices) returns the logits of those rows only, `[B, P, vocab]`.
+        A token id outside `[0, vocab)` is a ValueError when the tokens are concrete; under `jax.jit` (traced, so
+        unchecked) its embedding row, and so its logits, are NaN."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer) or 0 in tokens.shape:
             raise ValueError(f"tokens must be an integer array [batch, seq] (both >= 1), got shape {tokens.shape} "

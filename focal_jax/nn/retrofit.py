@@ -44,7 +44,7 @@ from focal_jax.attention.focus import unit_rows
 from focal_jax.nn.attention import (CUSTOM_KINDS, FIELD_KINDS, FOCUS_KINDS, Attention, AttentionConfig,
                                     record_attention)
 from focal_jax.nn.gpt2 import GPT2, ATTENTION_FIELDS
-from focal_jax.nn.layers import as_rngs, float_dtype
+from focal_jax.nn.layers import as_rngs, check_ids, float_dtype
 from focal_jax.nn.llama import Llama
 from focal_jax.nn.lora import LoRAConfig, add_lora
 from focal_jax.nn.models import attention_modules
@@ -563,8 +563,8 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
       `model`.
 
     Raises:
-      ValueError: a model without Focus layers, no batches, fewer real tokens than groups, or a `dtype` that is not
-        a floating dtype.
+      ValueError: a model without Focus layers, no batches, a token outside the vocabulary (or a GPT-2 position
+        past `n_positions`), fewer real tokens than groups, or a `dtype` that is not a floating dtype.
     """
     layers_of = lambda model: [attn for _, attn in attention_modules(model) if attn.config.kind in FOCUS_KINDS]
     layers = layers_of(model)
@@ -590,6 +590,14 @@ def kmeans_centroids(model, batches, *, key, iters: int = KMEANS_ITERS, progress
                      for r, attn in zip(focus_records, layers_of(recording))]
         return jnp.stack(projected)[layer_index]  # (a traced index: one compile for all layers)
 
+    # (inside the jitted forward a token or position out of range would be a NaN row, and every centroid NaN)
+    n_positions = getattr(model.config, "n_positions", None)  # GPT-2's learned position table
+    for i, batch in enumerate(batches):
+        check_ids(_on_host(batch["inputs"]), model.config.vocab_size, f"the tokens of batch {i}")
+        if n_positions is not None:
+            positions = batch.get("positions")
+            positions = np.arange(np.shape(batch["inputs"])[-1]) if positions is None else _on_host(positions)
+            check_ids(positions, n_positions, f"the positions of batch {i} (GPT-2's n_positions)")
     reals = [np.ones(np.shape(batch["inputs"]), bool) if batch.get("segment_ids") is None
              else _on_host(batch["segment_ids"]) != 0 for batch in batches]  # [B, T] each: not padding
     for layer_index, (attn, layer_key) in enumerate(zip(layers, jax.random.split(key, len(layers)))):
