@@ -106,10 +106,9 @@ LLAMA_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_at
 
 
 def llama_config_from_hf(hf) -> LlamaConfig:
-    """The `LlamaConfig` of a Hugging Face llama / mistral / qwen2 / qwen3 / olmo2 config dict."""
+    """The `LlamaConfig` of a Hugging Face llama / mistral / qwen2 / qwen3 / olmo2 config dict, one that
+    `read_hf_config` has checked (its `LLAMA_REQUIRED_KEYS` present)."""
     model_type = hf["model_type"]
-    if missing := [key for key in LLAMA_REQUIRED_KEYS if key not in hf]:
-        raise ValueError(f"{model_type} config.json lacks {missing}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     if model_type in ("llama", "mistral", "qwen3", "olmo2") and hf.get("attention_bias", False):
