@@ -28,6 +28,12 @@ def _most_optimizations_disabled(disabled: bool):
     jax.config.update("jax_disable_most_optimizations", previous)
 
 
+def pytest_configure(config):
+    # a library path (an evaluation view, an export, a retrofit) that builds a model whose attention ignores one of
+    # its settings fails its test; the tests that build one on purpose expect the warning (`pytest.warns`)
+    config.addinivalue_line("filterwarnings", "error:attention kind=.* does not read:UserWarning")
+
+
 @pytest.fixture(scope="module")
 def fast_compiles():
     """Tiny models, many shapes: XLA's optimisation passes cost more than they save here (compile time halves).

@@ -98,7 +98,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run_loads(tmp_pat
 def test_outputs_that_can_be_written_are_accepted(tmp_path):
     """An existing file is overwritten and a missing folder made where the command makes it (perplexity,
     diagnostics, recall); harness's --output needs its folder to exist."""
-    from focal_jax.eval._cli import output_dir_error, output_file_error
+    from focal_jax._validation import output_dir_error, output_file_error
 
     a_file = tmp_path / "file.json"
     a_file.write_text("{}")

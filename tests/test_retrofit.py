@@ -425,6 +425,29 @@ def test_a_retrofit_keeps_the_centroids_a_dense_view_held():
         retrofit(model, FocusConfig(groups=2, dim=8, window=4))
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_built_with_settings_its_attention_kind_does_not_read_warns(family):
+    """A model built with an attention setting its kind ignores (here `focal_t` on 'dense') warns, naming the field
+    and the kinds that read it; an evaluation view of a Focus model as 'dense' keeps its focus_* fields (the shapes
+    of the routing it holds) and builds no model, so it does not."""
+    def build(**fields):
+        if family == "gpt2":
+            return GPT2(GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4, **fields),
+                        rngs=nnx.Rngs(0))
+        return Llama(LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, intermediate=48, attn=fields),
+                     rngs=nnx.Rngs(0))
+
+    with pytest.warns(UserWarning, match=r"^attention kind='dense' does not read focal_t=0\.3 \(read by kinds "
+                                         r"\('focal', 'focal\+focus'\)\): set the kind that uses them"):
+        build(kind="dense", focal_t=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        focus = retrofit(build(), FocusConfig(groups=4, dim=8, window=4), rngs=1)
+        replace_attention(focus, kind="dense", allow_unused=True)
+        focus(jnp.zeros((1, 8), jnp.int32))
+    assert focus.config.attention.focus_groups == 4
+
+
 def test_a_registered_kind_is_not_retrofitted(monkeypatch):
     # registered for this test only (the registry is the process's)
     monkeypatch.setitem(CUSTOM_KINDS, "test_retrofit_own", lambda q, k, v, *, segment_ids: q)

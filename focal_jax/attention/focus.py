@@ -201,7 +201,10 @@ def focus_sparse_attention(q, k, v, membership, *, window=128, temperature=1.0, 
     Args:
       q: `[B, T, H, D]`; k, v: `[B, T, Hk, D]` / `[B, T, Hk, Dv]` (Hk divides H).
       membership: bool `[B, T, K]`, the groups of each token (`topk_membership(g, k)`); any number per token.
-      window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`.
+      window: local window w >= 0. temperature, scale, segment_ids: as in `focal_attention`. `'decomposed'` and
+        `'pallas'` compile a numeric temperature or scale into their program, so each new value compiles again
+        (seconds); to sweep values, pass the temperature as an argument of your own `jax.jit` (traced: one
+        compilation).
       sink: the first `sink` tokens of each segment are visible to every later query of it (see `focus_mask`);
         default 0 (off). `'decomposed'` and `'pallas'` add the sink's pairs outside the window and the groups (at
         most `sink` per query, gathered 16 keys at a time) in plain XLA and merge them by log-sum-exp

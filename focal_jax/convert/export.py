@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from focal_jax._validation import output_dir_error
 from focal_jax.convert.hf import to_hf
 from focal_jax.data.tokenizer import HF_CONFIG_FILE, copy_tokenizer, tokenizer_file, workdir_tokenizer
 from focal_jax.nn.lora import LoRA, merge_lora
@@ -144,8 +145,6 @@ def main(argv=None) -> str:
     parser.add_argument("--as-dense", action="store_true",
                         help="write a Focus model with dense attention (its routing left out)")
     args = parser.parse_args(argv)
-    from focal_jax.eval._cli import output_dir_error
-
     if problem := output_dir_error("--out", args.out):
         parser.error(problem)
     try:

@@ -33,8 +33,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from focal_jax._validation import output_file_error
 from focal_jax.data import build_data, tokenizer_file
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int
 from focal_jax.nn.attention import FOCUS_KINDS, record_attention
 from focal_jax.nn.llama import segment_positions
 from focal_jax.nn.models import attention_layers, check_model

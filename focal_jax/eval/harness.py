@@ -46,9 +46,9 @@ except ModuleNotFoundError as error:
 from tqdm import tqdm
 
 from focal_jax._axes import split_rows
-from focal_jax._validation import check_int
+from focal_jax._validation import check_int, output_file_error
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import check_model

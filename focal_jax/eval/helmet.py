@@ -97,9 +97,8 @@ from typing import Callable
 
 import numpy as np
 
-from focal_jax._validation import check_distinct, check_int
-from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int,
-                                 rope_ntk_factor)
+from focal_jax._validation import check_distinct, check_int, output_file_error
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.eval.recall import load_for_decoding, plot_by_length
 

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from focal_jax._validation import output_file_error
 from focal_jax.attention import topk_membership
 from focal_jax.attention.sink import sink_key_mask
-from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_file_error, positive_int,
-                                 rope_ntk_factor)
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int, rope_ntk_factor
 from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
                                         is_focus, load_run, prefix_sums, real_tokens, routed_layers)
 from focal_jax.nn.attention import IMPLS, record_attention

@@ -37,10 +37,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from focal_jax._validation import check_distinct, check_int
+from focal_jax._validation import check_distinct, check_int, output_dir_error
 from focal_jax.data.synthetic import Example, make_examples, score
-from focal_jax.eval._cli import (MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, output_dir_error, positive_int,
-                                 rope_ntk_factor)
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.attention import FOCUS_KINDS
 from focal_jax.nn.models import attention_layers

@@ -331,6 +331,24 @@ def unread_fields(config: AttentionConfig) -> dict:
             if config.kind not in kinds and getattr(config, name) != defaults[name]}
 
 
+def unread_fields_message(config: AttentionConfig) -> str:
+    """What `unread_fields(config)` holds, as a sentence naming each field and the kinds that read it; '' when
+    none."""
+    unread = unread_fields(config)
+    if not unread:
+        return ""
+    settings = ", ".join(f"{name}={value!r} (read by kinds {FIELD_KINDS[name]})" for name, value in unread.items())
+    return f"attention kind={config.kind!r} does not read {settings}"
+
+
+def warn_unread_fields(config: AttentionConfig):
+    """A UserWarning from a model's constructor when `config` sets fields its kind does not read
+    (`unread_fields_message`). Models warn; `Attention` itself does not, as the shape probes of evaluation views
+    (a Focus model's 'dense' view keeps its focus_* fields) build it."""
+    if unread := unread_fields_message(config):
+        warnings.warn(f"{unread}: set the kind that uses them, or leave them out", stacklevel=2)
+
+
 def check_decodable(config: AttentionConfig):
     """Raises ValueError unless a layer of `config` can decode token by token with a KV cache.
 

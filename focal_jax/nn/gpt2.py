@@ -25,7 +25,7 @@ from flax import nnx
 from focal_jax._axes import explicit_as_auto
 from focal_jax._validation import plain_numbers
 from focal_jax.attention.focal import einsum_f32
-from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
+from focal_jax.nn.attention import Attention, AttentionConfig, check_cache, warn_unread_fields
 from focal_jax.nn.layers import apply_block, embed, model_output_spec, rows_at
 from focal_jax.nn.llama import segment_positions
 
@@ -182,6 +182,7 @@ class GPT2(nnx.Module):
         if not isinstance(config, GPT2Config):
             raise ValueError(f"config must be a GPT2Config, got {type(config).__name__}")
         self.config = config
+        warn_unread_fields(config.attention_config())
         self.wte = nnx.Embed(config.vocab_size, config.d_model, embedding_init=_normal(), rngs=rngs)
         self.wpe = nnx.Embed(config.n_positions, config.d_model, embedding_init=_normal(0.01), rngs=rngs)
         self.h = nnx.List([GPT2Block(config, rngs=rngs) for _ in range(config.n_layers)])

@@ -18,7 +18,7 @@ from focal_jax._axes import explicit_as_auto
 from focal_jax._validation import plain_numbers
 from focal_jax.attention.focal import einsum_f32
 from focal_jax.attention.segments import segment_prefix
-from focal_jax.nn.attention import Attention, AttentionConfig, check_cache
+from focal_jax.nn.attention import Attention, AttentionConfig, check_cache, warn_unread_fields
 from focal_jax.nn.layers import RMSNorm, SwiGLU, apply_block, embed, model_output_spec, rows_at
 
 # The AttentionConfig fields that LlamaConfig.attention derives from its own fields (`attn` may not set them).
@@ -153,6 +153,7 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        warn_unread_fields(config.attention)
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.n_layers)])

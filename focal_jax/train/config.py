@@ -20,7 +20,7 @@ import ml_collections
 from focal_jax._validation import is_integer
 from focal_jax.data.config import FILE_SOURCES, DataConfig
 from focal_jax.data.sources import expand_paths
-from focal_jax.nn.attention import FIELD_KINDS, FOCUS_KINDS, AttentionConfig, unread_fields
+from focal_jax.nn.attention import FOCUS_KINDS, AttentionConfig, unread_fields_message
 from focal_jax.nn.gpt2 import GPT2Config
 from focal_jax.nn.llama import DERIVED_ATTENTION_FIELDS, FOCAL_SIZES, LlamaConfig, focal_config
 from focal_jax.nn.lora import LoRAConfig
@@ -218,11 +218,8 @@ def check_attention_fields(model: LlamaConfig | GPT2Config | None) -> None:
     """ValueError naming the attention settings of `model` that its attention kind does not read (e.g.
     `model.attn.focal_t=0.3` with kind 'dense'): the run would train another attention than the one asked for.
     The trainer checks the runs it trains; stored runs load as they are."""
-    unread = {} if model is None else unread_fields(model.attention)
-    if unread:
-        settings = ", ".join(f"{name}={value!r} (read by kinds {FIELD_KINDS[name]})" for name, value in unread.items())
-        raise ValueError(f"model attention kind={model.attention.kind!r} does not read {settings}: set the kind "
-                         f"that uses them, or leave them out")
+    if model is not None and (unread := unread_fields_message(model.attention)):
+        raise ValueError(f"model {unread}: set the kind that uses them, or leave them out")
 
 
 def check_data_fields(data: DataConfig) -> None:
