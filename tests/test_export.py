@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from focal_jax.convert import hf
+from focal_jax.convert import export, hf
 from focal_jax.convert.export import main
-from focal_jax.data.tokenizer import workdir_tokenizer
+from focal_jax.data.tokenizer import tokenizer_file, workdir_tokenizer
 from focal_jax.nn.retrofit import replace_attention
 from focal_jax.train import train, trainer
 from helpers import hf_focus_retrofit_config, stored_run_config
@@ -132,29 +132,44 @@ def test_lora_is_merged(focal_run, tmp_path):
     np.testing.assert_allclose(hf_logits(out), our_logits(model), atol=1e-4)
 
 
-@pytest.mark.parametrize("with_tokenizer", [True, False])
-def test_a_run_from_a_hugging_face_directory_takes_its_tokenizer_files(focal_run, tmp_path, with_tokenizer, capsys):
-    """A Focus retrofit of a Hugging Face directory, written as dense: the directory's tokenizer files and
-    generation config are copied when the run trained with its tokenizer; a directory without a tokenizer gives
-    the run's own. Either way, with the routing left out, the logits are the directory's."""
+@pytest.mark.parametrize("tokenizer", ["the run's", "none", "another"])
+def test_a_run_from_a_hugging_face_directory_takes_its_tokenizer_files(focal_run, tmp_path, tokenizer, capsys):
+    """A Focus retrofit of a Hugging Face directory, written as dense: the directory's tokenizer files, special ids
+    and generation config are copied when the run trained with its tokenizer (also for a second run that started
+    from the retrofit); a directory without a tokenizer, or with another one than the run's, gives the run's own.
+    Either way, with the routing left out, the logits are the directory's."""
     source = str(tmp_path / "source")
     dense = trainer.load_model(focal_run)
     replace_attention(dense, kind="dense")
     hf.to_hf(dense, source)
-    if with_tokenizer:
+    if tokenizer != "none":
         shutil.copy(os.path.join(focal_run, "tokenizer.model"), source)
         json.dump({"eos_token_id": 3, "marker": "source"}, open(os.path.join(source, "generation_config.json"), "w"))
-    workdir = str(tmp_path / "retrofit")
-    train(hf_focus_retrofit_config(focal_run, source, window=4), workdir)
-    out = str(tmp_path / "hf")
-    capsys.readouterr()
-    main(["--workdir", workdir, "--out", out, "--as-dense"])
-    assert ("tokenizer and token ids of " + source in capsys.readouterr().out) == with_tokenizer
-    assert os.path.exists(os.path.join(out, "generation_config.json")) == with_tokenizer
-    assert os.path.exists(os.path.join(out, "tokenizer.model"))
-    if not with_tokenizer:
-        assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == 3
-    np.testing.assert_allclose(hf_logits(out), hf_logits(source), atol=1e-5)
+    if tokenizer == "another":
+        with open(os.path.join(source, "tokenizer.model"), "ab") as f:
+            f.write(b"\0")
+    config = hf_focus_retrofit_config(focal_run, source, window=4)
+    runs = [str(tmp_path / "retrofit")]
+    train(config, runs[0])
+    if tokenizer == "the run's":  # a second phase, which descends from the directory through the first
+        config.update(init_from=runs[0])
+        config.retrofit.focus = None
+        runs.append(str(tmp_path / "phase2"))
+        train(config, runs[1])
+    for i, workdir in enumerate(runs):
+        assert export.hf_source(workdir) == source
+        out = str(tmp_path / f"hf{i}")
+        capsys.readouterr()
+        main(["--workdir", workdir, "--out", out, "--as-dense"])
+        printed = capsys.readouterr().out
+        assert ("tokenizer and token ids of " + source in printed) == (tokenizer == "the run's")
+        assert (f"the run's tokenizer is not that of {source}" in printed) == (tokenizer != "the run's")
+        assert os.path.exists(os.path.join(out, "generation_config.json")) == (tokenizer == "the run's")
+        with open(os.path.join(out, "tokenizer.model"), "rb") as f, open(tokenizer_file(workdir), "rb") as g:
+            assert f.read() == g.read()
+        if tokenizer != "the run's":
+            assert json.load(open(os.path.join(out, "config.json")))["eos_token_id"] == 3
+        np.testing.assert_allclose(hf_logits(out), hf_logits(source), atol=1e-5)
 
 
 def test_bad_arguments_name_themselves(focal_run, tmp_path, capsys):

@@ -193,6 +193,24 @@ def test_retrofit_adds_only_new_parameters_and_keeps_config_consistent(family):
     assert jax.tree.structure(nnx.state(rebuilt)) == jax.tree.structure(nnx.state(model))
 
 
+def test_constant_focal_onto_a_focus_model_makes_it_focal_plus_focus():
+    """Focus, then a constant Focal temperature: every layer becomes 'focal+focus' with that t (Focal then Focus,
+    above, gives the same kind). Its logits are those of a model built as 'focal+focus' with the same parameters,
+    and not the Focus model's."""
+    tiny = GPT2Config(vocab_size=50, n_positions=16, d_model=32, n_layers=2, n_heads=4)
+    model = retrofit(GPT2(tiny, rngs=nnx.Rngs(0)), FocusConfig(groups=4, dim=8, window=4), rngs=1)
+    tokens = jnp.arange(16)[None] * 3 % 50
+    focus_logits = np.asarray(model(tokens))
+    retrofit(model, FocalConfig(t=0.5))
+    assert [(a.config.kind, a.config.focal_t) for a in _attention(model)] == [("focal+focus", 0.5)] * 2
+    assert (model.config.kind, model.config.focal_t) == ("focal+focus", 0.5)
+    built = GPT2(dataclasses.replace(tiny, kind="focal+focus", focal_t=0.5, focus_groups=4, focus_dim=8,
+                                     focus_window=4), rngs=nnx.Rngs(2))
+    nnx.update(built, nnx.state(model))
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(built(tokens)))
+    assert not np.allclose(np.asarray(model(tokens)), focus_logits, atol=1e-3)
+
+
 def test_seed_sets_the_new_parameters(family):
     _, directory, _ = family
     focus = FocusConfig(groups=GROUPS, dim=DIM, window=WINDOW)
@@ -384,7 +402,8 @@ def test_bad_retrofits_are_named():
     with pytest.raises(ValueError, match="impl='bogus'"):
         retrofit(gpt2(), focus, impl="bogus")
     mistral = LlamaConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=4, intermediate=48, attn={"window": 4})
-    with pytest.raises(ValueError, match="window=4"):
+    with pytest.raises(ValueError, match=r"sliding window \(window=4, at layers.0.self_attn\): Focus brings its own "
+                                         r"local window \(FocusConfig.window\)"):
         retrofit(nnx.eval_shape(lambda: Llama(mistral, rngs=nnx.Rngs(0))), focus)
     with pytest.raises(ValueError, match="Llama and GPT2"):
         retrofit(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), focus)
@@ -483,6 +502,18 @@ def test_kmeans_finds_separated_clusters(spherical):
     np.testing.assert_array_equal(found, np.asarray(kmeans(points, 4, key=jax.random.key(1), spherical=spherical)))
     with pytest.raises(ValueError, match=r"k-means of 4 centroids needs points \[N >= 4, d\], got shape \(3, 8\)"):
         kmeans(points[:3], 4, key=jax.random.key(1))
+
+
+def test_kmeans_with_fewer_distinct_points_than_centroids_keeps_unit_centroids_on_the_points():
+    """3 distinct unit rows, 5 copies each, and 4 centroids: one cluster is left empty, and its centroid keeps
+    its seed (one of the points) rather than becoming the empty cluster's zero mean."""
+    from focal_jax.nn.retrofit import kmeans
+
+    points = np.repeat(np.eye(3, 4, dtype=np.float32), 5, axis=0)
+    found = np.asarray(kmeans(points, 4, key=jax.random.key(0)))
+    assert np.isfinite(found).all()
+    np.testing.assert_allclose(np.linalg.norm(found, axis=-1), 1.0, atol=1e-6)
+    assert all(np.abs(points - c).max(axis=-1).min() < 1e-6 for c in found), found
 
 
 def _projected_inputs(model, tokens, segment_ids=None):

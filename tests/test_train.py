@@ -139,6 +139,9 @@ def test_mesh_and_partition_specs():
         make_mesh({"data": 3, "fsdp": 2, "tensor": 1})
     with pytest.raises(ValueError, match="unknown axes \\['model'\\]"):
         make_mesh({"model": 2})
+    for sizes in ({"data": -1, "fsdp": 0}, {"data": 0}, {"data": -2, "fsdp": 8}, {"data": -1, "fsdp": -1}):
+        with pytest.raises(ValueError, match=re.escape("mesh sizes must be >= 1, with at most one -1; got")):
+            make_mesh(sizes)
     check_batch_layout(mesh, 8, 4)
     with pytest.raises(ValueError, match="batch_size=6 must be a multiple of the data-parallel size 4"):
         check_batch_layout(mesh, 6, 1)
@@ -569,6 +572,12 @@ def test_a_schedule_changed_after_the_resume_step_is_noted(capsys):
     assert "--config.optim.decay_steps=10" in out
     trainer.warn_if_schedule_changed(checkpoint.config_json(config(10)), check_config(config(10)), 2)
     assert "schedule changed" not in capsys.readouterr().out
+    # resumed at the last step: only its own update is left to compare (lr at count 9 of the stored schedule,
+    # decaying to step 10, and of the new one, which reached its end at step 9)
+    shorter = config(10)
+    shorter.optim.decay_steps = 9
+    trainer.warn_if_schedule_changed(checkpoint.config_json(config(10)), check_config(shorter), 9)
+    assert "(optim.decay_steps None -> 9): step 10 trains at lr" in capsys.readouterr().out
 
 
 def test_sequences_longer_than_gpt2_positions_are_refused(tmp_path, cache_dir):
@@ -1181,7 +1190,7 @@ def test_retrofit_from_own_workdir_trains_centroids_only(tmp_path, cache_dir):
         load_model(retro)
 
 
-def test_a_kmeans_retrofit_fits_its_centroids_on_the_first_batch_and_resumes_exactly(tmp_path, cache_dir):
+def test_a_kmeans_retrofit_fits_its_centroids_on_the_first_batch_and_resumes_exactly(tmp_path, cache_dir, capsys):
     """`retrofit.focus.init='kmeans'` (FOCUS_SPEC OQ-6; `focus_retrofit.py:init=kmeans`): the centroids a run
     starts from (its step-0 checkpoint) are unit rows other than init='random''s, the same in a second fresh run;
     the batch k-means read is still the first one trained on (the data position after 2 steps is 2); a run
@@ -1212,7 +1221,9 @@ def test_a_kmeans_retrofit_fits_its_centroids_on_the_first_batch_and_resumes_exa
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train(retrofit_config("kmeans"), straight)
     train(retrofit_config("kmeans"), resumed, stop_after=1)
+    assert "k-means centroids from the first batch" in capsys.readouterr().out
     train(retrofit_config("kmeans"), resumed)
+    assert "k-means centroids" not in capsys.readouterr().out
     assert losses(straight) == losses(resumed)
     for a, b in zip(centroids(straight), centroids(resumed)):
         np.testing.assert_array_equal(a, b)
@@ -2308,6 +2319,22 @@ def test_a_checkpoint_with_an_item_or_file_lost_is_refused_in_one_line_naming_it
     else:
         with pytest.raises(ConfigError, match=refusal):
             load_model(workdir)
+
+
+@pytest.mark.parametrize("error", [KeyError("params"), ValueError("OUT_OF_RANGE: cut short"), OSError("I/O error")])
+def test_a_failed_checkpoint_read_is_one_line_naming_the_step_and_its_directory(tmp_path, error):
+    """`checkpoint.reading`: each kind of error orbax and tensorstore raise on a damaged checkpoint (the three
+    above run for real in the test before) becomes one ConfigError; other errors pass through."""
+    workdir = str(tmp_path)
+    step_dir = os.path.join(checkpoint.checkpoint_dir(workdir), "3")
+    with pytest.raises(ConfigError, match=re.escape(f"the checkpoint of step 3 in {workdir!r} cannot be read: it is "
+                                                    f"damaged or partly copied ({type(error).__name__}: ")
+                       + f".*delete its directory {re.escape(step_dir)} to resume"):
+        with checkpoint.reading(workdir, 3):
+            raise error
+    with pytest.raises(RuntimeError, match="not a read"):
+        with checkpoint.reading(workdir, 3):
+            raise RuntimeError("not a read")
 
 
 def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path, cache_dir):
