@@ -7,7 +7,7 @@ import json
 import pytest
 from flax import nnx
 
-from focal_jax.eval import diagnostics, helmet, perplexity, recall
+from focal_jax.eval import diagnostics, harness, helmet, perplexity, recall
 from focal_jax.eval.diagnostics import Run
 from focal_jax.nn.llama import Llama, LlamaConfig
 
@@ -34,11 +34,29 @@ def _usage_error(capsys, main, argv, needle):
 def test_diagnostics_bad_topk_and_top_are_usage_errors(monkeypatch, capsys):
     _stub_run(monkeypatch, diagnostics, FOCUS)
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "5"], "focus_topk=5")
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "0"], "focus_topk=0")
+    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "0"],
+                 "argument --topk: expected an integer >= 1, got '0'")
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--top", "0"],
                  "--top: expected an integer >= 1, got '0'")
     _stub_run(monkeypatch, diagnostics, {"kind": "dense"})
     _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy", "--png", "x.png"], "nothing to plot")
+
+
+def test_perplexity_topk_and_window_errors_name_the_flag(monkeypatch, capsys):
+    """They named topk and window, the function's arguments ('leave topk unset (None)'); a malformed --topk was
+    found only after the run loaded."""
+    _no_loading(monkeypatch)
+    for value in ("0", "1,-1", "x", ","):
+        _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", value],
+                     f"argument --topk: expected 'all' or comma-separated integers >= 1, got '{value}'")
+    _stub_run(monkeypatch, perplexity, {"kind": "dense"})
+    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "all"],
+                 "--topk=all needs a Focus model (kind 'focus' or 'focal+focus'); this model's attention kind is "
+                 "['dense']: leave --topk out")
+    _stub_run(monkeypatch, perplexity, FOCUS)
+    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "2,5"],
+                 "--topk=2,5: top-k must be an integer with 1 <= k <= K=4 (the model's focus_groups), got k=5")
+    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--window", "8"], "--window=8: window=8 is for")
 
 
 def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
@@ -52,7 +70,8 @@ def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
                                           (perplexity, "--seq-len"), (diagnostics, "--batches"),
                                           (diagnostics, "--batch-size"), (diagnostics, "--seq-len"),
                                           (recall, "--n"), (recall, "--batch-size"), (helmet, "--n"),
-                                          (helmet, "--batch-size")])
+                                          (helmet, "--batch-size"), (harness, "--batch_size"),
+                                          (harness, "--max_length"), (harness, "--max_gen_toks")])
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
 def test_counts_below_one_are_usage_errors_naming_the_flag(monkeypatch, capsys, module, flag, value):
     """`perplexity --batches 0` said 'n_batches must be an integer >= 1, got n_batches=0', the name of a function

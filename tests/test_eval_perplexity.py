@@ -311,7 +311,7 @@ def test_command_line_on_a_training_workdir_matches_the_trainers_eval_loss(tmp_p
     assert saved["settings"]["workdir"] == os.path.abspath(workdir)
 
 
-def test_command_line_step_and_window(tmp_path):
+def test_command_line_step_and_window(tmp_path, capsys):
     """`--step` evaluates an intermediate checkpoint (the trainer's held-out loss at that step); `--window` the
     weights under a sliding window (a model built with that window and given the same parameters)."""
     workdir = tiny_focus_run(tmp_path, attn={"kind": "dense"}, steps=2)
@@ -336,6 +336,17 @@ def test_command_line_step_and_window(tmp_path):
     half = load_run(workdir, n_batches=2, seq_len=16)
     assert [b["inputs"].shape for b in half.batches] == [(16, 16)] * 2 and half.trained_seq_len == 32
     assert load_run(workdir, n_batches=1, seq_len=16, batch_size=3).batches[0]["inputs"].shape == (3, 16)
+    # the held-out rows bound the batches; a batch size larger than them is refused
+    rows = len(load_run(workdir, n_batches=10**6, batch_size=1).batches)  # one row per batch: every held-out row
+    assert 8 < rows < 200
+    with pytest.raises(ValueError, match=f"batch_size={rows + 1} is more than the held-out rows: the held-out "
+                                         f"documents pack into {rows} rows of 32 tokens; give a batch size of at "
+                                         f"most {rows}"):
+        load_run(workdir, n_batches=1, batch_size=rows + 1)
+    capsys.readouterr()
+    main(["--workdir", workdir, "--batches", "1000"])
+    assert f"{-(-rows // 8)} batches of (8, 32) tokens (trained at 32); the held-out rows fill {-(-rows // 8)} of " \
+           f"the 1000 batches asked" in capsys.readouterr().out
 
 
 def test_topk_table_rows_evaluate_the_forms_they_name(model, monkeypatch):

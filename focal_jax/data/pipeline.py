@@ -79,6 +79,16 @@ class Data:
         return (f"{config.source}, streamed from {self.n_files} files{share}, rows of {config.seq_len} tokens "
                 f"(corpus size unknown)")
 
+    def held_out_rows(self, at_most: int) -> int:
+        """How many packed held-out rows there are, counting at most `at_most` (a stream reads only that many).
+        ValueError when no documents are held out."""
+        if not self.streaming and self.n_eval_documents == 0:
+            raise ValueError(f"there are no evaluation documents (0 of {self.n_train_documents} documents held out): "
+                             f"raise eval_fraction")
+        if self.streaming:
+            return self.eval_source.count(at_most)
+        return min(at_most, len(next(iter(self.eval_rows.values()))))
+
     def eval_batches(self, n: int) -> list[Batch]:
         """The first `n` held-out batches -> list of dicts, each `[local_batch, seq_len]` per key.
 
@@ -91,12 +101,7 @@ class Data:
         """
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got n={n!r}")
-        if not self.streaming and self.n_eval_documents == 0:
-            raise ValueError(f"there are no evaluation documents (0 of {self.n_train_documents} documents held out): "
-                             f"raise eval_fraction")
-        held_out = (self.eval_source.count(n * self.global_batch) if self.streaming
-                    else len(next(iter(self.eval_rows.values()))))
-        n = min(n, -(-held_out // self.global_batch))
+        n = min(n, -(-self.held_out_rows(n * self.global_batch) // self.global_batch))
         if self.streaming:
             rows = self.eval_source.rows(n * self.global_batch)
         else:
@@ -138,10 +143,6 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
     tokenizer = _tokenizer(config, train_docs, workdir)
     train_rows = packed_rows(encode_documents(tokenizer, train_docs), config)
     n_train_rows = len(train_rows["inputs"])
-    if n_train_rows < global_batch:
-        raise ValueError(f"the training corpus packs into {n_train_rows} rows of seq_len={config.seq_len} tokens, "
-                         f"fewer than one global batch (global_batch={global_batch}): add documents or lower "
-                         f"global_batch / seq_len")
     eval_rows = (packed_rows(encode_documents(tokenizer, eval_docs), config) if eval_docs
                  else {k: np.zeros((0, config.seq_len), np.float32 if k == "loss_mask" else np.int32)
                        for k in PACKED_KEYS})

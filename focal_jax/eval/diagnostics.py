@@ -100,7 +100,9 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
     trained length).
 
     batch_size: rows per batch; default the run's `batch_size`, scaled by trained / evaluated length so that a
-    batch holds about as many tokens as in training (at least one row).
+    batch holds about as many tokens as in training (at least one row). A given one larger than the held-out rows
+    is a ValueError: its batch would be mostly padding. Fewer than `n_batches` batches come back when the held-out
+    rows fill fewer (the last one completed with padding rows).
     mesh: place the model's parameters on this mesh (`focal_jax.train.trainer.load_model`) and split each batch's
     rows over its 'data' and 'fsdp' axes (`focal_jax.train.sharding.shard_batch`; ValueError, before the model
     loads, unless they divide the batch size); evaluate under `jax.set_mesh(mesh)`.
@@ -113,22 +115,48 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
     run = check_config(ml_collections.ConfigDict(checkpoint.stored_config(meta)))
     trained = run.data.seq_len
     seq_len = seq_len or trained
+    given_batch_size = batch_size is not None
     if batch_size is None:
         batch_size = max(1, run.batch_size * trained // seq_len)
     if mesh is not None:
         check_batch_layout(mesh, batch_size, process_count=1)
-    model = load_model(workdir, step=step, mesh=mesh)
     data_config = dataclasses.replace(run.data, seq_len=seq_len)
     try:  # the exact tokenizer the run trained with (its workdir copy, of either kind)
         data_config = dataclasses.replace(data_config, tokenizer=tokenizer_file(workdir))
     except FileNotFoundError:
         pass
     data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1)
+    if given_batch_size and (held_out := data.held_out_rows(batch_size)) < batch_size:
+        raise ValueError(f"batch_size={batch_size} is more than the held-out rows: the held-out documents pack into "
+                         f"{held_out} rows of {seq_len} tokens; give a batch size of at most {held_out}")
     batches = data.eval_batches(n_batches)
+    model = load_model(workdir, step=step, mesh=mesh)
     if mesh is not None:
         batches = [shard_batch(batch, mesh) for batch in batches]
     return Run(model=model, tokenizer=data.tokenizer, batches=batches, seq_len=seq_len, trained_seq_len=trained,
                step=step)
+
+
+def batches_line(run: Run, asked: int) -> str:
+    """`run`'s held-out batches, for an evaluation's header: their count and shape, the trained length, and how
+    many of the `asked` batches the held-out rows fill when fewer."""
+    line = (f"{len(run.batches)} batches of {np.shape(run.batches[0]['inputs'])} tokens (trained at "
+            f"{run.trained_seq_len})")
+    if len(run.batches) < asked:
+        line += f"; the held-out rows fill {len(run.batches)} of the {asked} batches asked"
+    return line
+
+
+def untrained_positions_note(model, lengths, trained_len: int, rope_ntk_factor=None, *, flag: bool = True) -> str:
+    """A note for an evaluation at `lengths` (input lengths) past `trained_len` on a model with RoPE and no
+    `rope_ntk_factor`: its rotary positions there were never trained (with `flag`: the command's
+    --rope-ntk-factor scales them). '' otherwise."""
+    past = sorted(length for length in lengths if length > trained_len)
+    if not past or rope_ntk_factor is not None or any(c.rope_theta is None for c in attention_configs(model)):
+        return ""
+    hint = " (--rope-ntk-factor scales them, as the Focal paper's 64K evaluation)" if flag else ""
+    return (f"note: lengths {past} go past the {trained_len} tokens the model was trained on; its rotary positions "
+            f"there were never trained{hint}")
 
 
 def check_batch(batch, required=("inputs",), vocab_size: int | None = None, n_positions: int | None = None):
@@ -619,8 +647,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--batches", type=positive_int, default=4, help="held-out batches (default 4)")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per row (default: the trained length)")
-    parser.add_argument("--batch-size", type=positive_int, default=None, help="rows per batch (default: as trained)")
-    parser.add_argument("--topk", type=int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="rows per batch (default: the run's, scaled to keep the tokens per batch)")
+    parser.add_argument("--topk", type=positive_int, default=None,
                         help="analyse the hard top-k form of a Focus model (default: as configured)")
     parser.add_argument("--top", type=positive_int, default=8, help="tokens per group in the top-token table")
     parser.add_argument("--no-entropy", action="store_true", help="skip the attention entropy")
@@ -651,8 +680,9 @@ def main(argv=None) -> dict:
     if args.no_entropy and not is_focus(model):  # the routing tables below are all there is without the entropy
         parser.error(f"--no-entropy leaves nothing to report for a model without Focus layers (attention kind "
                      f"{sorted({c.kind for c in attention_configs(model)})}): drop --no-entropy for the entropy")
-    print(f"diagnostics of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
-          f"{np.shape(run.batches[0]['inputs'])} tokens", flush=True)
+    print(f"diagnostics of {args.workdir} (step {run.step}): {batches_line(run, args.batches)}", flush=True)
+    if note := untrained_positions_note(model, [run.seq_len], run.trained_seq_len, flag=False):
+        print(f"diagnostics: {note}", flush=True)
     with on_mesh(mesh):
         result = diagnose(model, run.batches, top=args.top, entropy=not args.no_entropy, progress=True)
     result.update(workdir=args.workdir, step=run.step, seq_len=run.seq_len)

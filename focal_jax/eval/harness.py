@@ -48,7 +48,7 @@ from tqdm import tqdm
 from focal_jax._axes import split_rows
 from focal_jax._validation import check_int, output_file_error
 from focal_jax.data.tokenizer import load_tokenizer, tokenizer_file, workdir_tokenizer
-from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh
+from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int
 from focal_jax.eval.decode import greedy_decode
 from focal_jax.nn.gpt2 import GPT2
 from focal_jax.nn.models import check_model
@@ -383,9 +383,9 @@ def main(argv=None) -> dict:
                         "(default DIR/tokenizer.model, else DIR/tokenizer.json)")
     parser.add_argument("--tasks", required=True, help="comma-separated lm_eval task names")
     parser.add_argument("--num_fewshot", type=int, default=None, help="default: each task's own")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--max_length", type=int, default=None)
-    parser.add_argument("--max_gen_toks", type=int, default=256)
+    parser.add_argument("--batch_size", type=positive_int, default=8)
+    parser.add_argument("--max_length", type=positive_int, default=None)
+    parser.add_argument("--max_gen_toks", type=positive_int, default=256)
     parser.add_argument("--limit", type=float, default=None, help="examples per task (testing only)")
     parser.add_argument("--include_path", default=None, help="directory of extra task YAML files")
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="0 skips the standard errors")

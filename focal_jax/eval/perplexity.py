@@ -37,8 +37,9 @@ from focal_jax._validation import output_file_error
 from focal_jax.attention import topk_membership
 from focal_jax.attention.sink import sink_key_mask
 from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int, rope_ntk_factor
-from focal_jax.eval.diagnostics import (attention_configs, attention_view, check_batch, distant_sums, forward,
-                                        is_focus, load_run, prefix_sums, real_tokens, routed_layers)
+from focal_jax.eval.diagnostics import (attention_configs, attention_view, batches_line, check_batch, distant_sums,
+                                        forward, is_focus, load_run, prefix_sums, real_tokens, routed_layers,
+                                        untrained_positions_note)
 from focal_jax.nn.attention import IMPLS, record_attention
 from focal_jax.train.trainer import masked_nll
 
@@ -262,6 +263,18 @@ def _parse_ks(ks, n_groups):
     return sorted(set(int(k) for k in ks))
 
 
+def _topk_flag(text: str) -> str:
+    """`--topk`: 'all' or comma-separated integers >= 1 (checked against the model's groups once it loads)."""
+    if text != "all":
+        try:
+            ks = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            ks = []
+        if not ks or min(ks) < 1:
+            raise argparse.ArgumentTypeError(f"expected 'all' or comma-separated integers >= 1, got {text!r}")
+    return text
+
+
 def topk_table(model, batches, *, topk="all", impl: str | None = None, pair_method: str = "auto",
                progress: bool = False) -> list[dict]:
     """The Focus paper's Table 7 for `model`: soft-gated and hard top-k perplexity, pairs retained, dominance.
@@ -341,8 +354,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--step", type=int, default=None,
                         help="a saved checkpoint step (default: the latest), e.g. for a curve over training")
     parser.add_argument("--batches", type=positive_int, default=8, help="held-out batches (default 8)")
-    parser.add_argument("--topk", default=None, help="hard top-k rows: 'all' (the default for Focus models) or "
-                                                     "comma-separated k, e.g. 1,2")
+    parser.add_argument("--topk", type=_topk_flag, default=None,
+                        help="hard top-k rows: 'all' (the default for Focus models) or comma-separated k, e.g. 1,2")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per row (default: the trained length)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
@@ -379,10 +392,19 @@ def main(argv=None) -> list[dict]:
         try:
             model = attention_view(model, window=args.window)
         except ValueError as e:
-            parser.error(str(e))
+            parser.error(f"--window={args.window}: {e}")
+    if args.topk is not None and not is_focus(model):
+        parser.error(f"--topk={args.topk} needs a Focus model (kind 'focus' or 'focal+focus'); this model's attention "
+                     f"kind is {sorted({c.kind for c in attention_configs(model)})}: leave --topk out")
     topk = args.topk if args.topk is not None else ("all" if is_focus(model) else None)
-    print(f"perplexity of {args.workdir} (step {run.step}): {len(run.batches)} batches of "
-          f"{np.shape(run.batches[0]['inputs'])} tokens (trained at {run.trained_seq_len})", flush=True)
+    if topk is not None:
+        try:
+            _parse_ks(topk, attention_configs(model)[0].focus_groups)
+        except ValueError as e:
+            parser.error(f"--topk={topk}: {e}")
+    print(f"perplexity of {args.workdir} (step {run.step}): {batches_line(run, args.batches)}", flush=True)
+    if note := untrained_positions_note(model, [run.seq_len], run.trained_seq_len, args.rope_ntk_factor):
+        print(f"perplexity: {note}", flush=True)
     try:
         with on_mesh(mesh):
             rows = topk_table(model, run.batches, topk=topk, impl=args.impl, progress=True)
