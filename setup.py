@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="focal_jax",
-    version="0.6.30",
+    version="0.6.31",
     description="Focal Attention and Focus (learned-group sparse attention) in JAX / Flax NNX",
     python_requires=">=3.11",
     packages=find_packages(include=["focal_jax", "focal_jax.*"]) + ["focal_jax.kernels", "focal_jax.configs"],

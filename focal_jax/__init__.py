@@ -3,4 +3,4 @@
 The pure attention functions live in :mod:`focal_jax.attention`; see DESIGN.md for the layout.
 """
 
-__version__ = "0.6.30"
+__version__ = "0.6.31"

@@ -4,7 +4,9 @@ Metrics are checked against hand-computed values and pytrec_eval's own NDCG case
 templates written out literally; sample and demonstration choice against the Hugging Face `datasets` library (when
 installed); fitting against the budget (in tokens), the gold units and tightness (less than one unit of slack); the
 scoring pipeline with decoders whose output is known (the reference answer scores 1.0, a wrong one 0.0, half and
-half 0.5); the command line on a tiny real Llama (JSON, PNG, scores in [0, 1]); bad input raises naming the value.
+half 0.5); the command line on a tiny real Llama (JSON, PNG, scores in [0, 1]), its removal of an earlier run's plot
+when it writes none, its progress line per decoded batch; bad input raises naming the value (flags by their names,
+before the model loads or decodes).
 """
 
 import json
@@ -461,9 +463,13 @@ def _stub_decoder(tokenizer, data_dir, datasets, lengths, wrong=lambda i: False)
     return decode, calls
 
 
+ONE_CALL = 1000  # a batch size above every cell's number of prompts: one decoder call per (dataset, length)
+
+
 def test_pipeline_scores_the_reference_one_and_a_wrong_answer_zero(data_dir, tokenizer):
     decode, calls = _stub_decoder(tokenizer, data_dir, ALL, [4096])
-    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode)
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode,
+                             batch_size=ONE_CALL)
     assert [r["dataset"] for r in result["rows"]] == ALL
     assert all(r["score"] == 1.0 and r["n"] > 0 for r in result["rows"]), [(r["dataset"], r["score"]) for r in
                                                                             result["rows"]]
@@ -478,12 +484,14 @@ def test_pipeline_scores_the_reference_one_and_a_wrong_answer_zero(data_dir, tok
     assert all(g["score"] == 1.0 for g in result["groups"])
 
     decode, _ = _stub_decoder(tokenizer, data_dir, ALL, [4096], wrong=lambda i: True)
-    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode)
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode,
+                             batch_size=ONE_CALL)
     assert all(r["score"] == 0.0 for r in result["rows"]), [(r["dataset"], r["score"]) for r in result["rows"]]
 
     # Wrong on every other call: the group means are the means of their datasets.
     decode, _ = _stub_decoder(tokenizer, data_dir, ALL, [4096], wrong=lambda i: i % 2 == 1)
-    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode)
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=ALL, lengths=[4096], decode=decode,
+                             batch_size=ONE_CALL)
     scores = {r["dataset"]: r["score"] for r in result["rows"]}
     assert scores == {name: float(i % 2 == 0) for i, name in enumerate(ALL)}
     groups = {g["group"]: g["score"] for g in result["groups"]}
@@ -619,8 +627,9 @@ def test_command_line_on_a_tiny_model_writes_json_and_png(data_dir, tokenizer, t
 
 
 def test_a_rows_score_is_the_mean_over_its_examples(data_dir, tokenizer):
-    """One wrong answer per cell (the first prompt of every decoder call): each row scores (n - 1) / n, the mean
-    of its per-example scores, and the group rows average them; nothing was cut to fit, so `truncated` is 0."""
+    """One wrong answer per cell (the first prompt of every decoder call, one call per cell): each row scores
+    (n - 1) / n, the mean of its per-example scores, and the group rows average them; nothing was cut to fit, so
+    `truncated` is 0."""
     names = ["json_kv", "nq", "banking77"]
     decode, _ = _stub_decoder(tokenizer, data_dir, names, [4096])
 
@@ -628,9 +637,10 @@ def test_a_rows_score_is_the_mean_over_its_examples(data_dir, tokenizer):
         out = decode(model, prompts, **kwargs)
         return [tokenizer.encode(" zzz\n") + [kwargs["eos_id"]]] + out[1:]
 
-    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=names, lengths=[4096], decode=first_wrong)
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=names, lengths=[4096], decode=first_wrong,
+                             batch_size=ONE_CALL)
     for row in result["rows"]:
-        assert [e["score"] for e in row["examples"]] == [0.0] + [1.0] * (row["n"] - 1), row["dataset"]
+        assert sorted(e["score"] for e in row["examples"]) == [0.0] + [1.0] * (row["n"] - 1), row["dataset"]
         assert row["n"] > 1 and row["score"] == pytest.approx((row["n"] - 1) / row["n"])
         assert row["truncated"] == 0 and row["units_kept"] == 1.0
     groups = {g["group"]: g["score"] for g in result["groups"]}
@@ -659,3 +669,82 @@ def test_a_length_equal_to_the_generation_length_is_refused_before_decoding(data
         helmet.evaluate(None, tokenizer, str(data_dir), datasets=["nq"], lengths=[20],
                         decode=lambda *args, **kwargs: calls.append(args))
     assert calls == []
+
+
+def _stub_workdir(tmp_path, tokenizer, monkeypatch, attn=None):
+    """A run directory with the tokenizer; loading it gives a tiny Llama of attention `attn` (step 3)."""
+    from focal_jax.train import checkpoint, trainer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir(parents=True)
+    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                         intermediate=32, rope_theta=500.0, attn=attn or {})
+    monkeypatch.setattr(trainer, "load_model", lambda path, step=None, mesh=None: Llama(config, rngs=nnx.Rngs(0)))
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (3, {"config": {"data": {"seq_len": 64}}}))
+    return workdir
+
+
+def _usage_error(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        helmet.main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_rerun_without_a_plot_removes_the_earlier_runs_plot(data_dir, tokenizer, tmp_path, monkeypatch, capsys):
+    """A rerun in which no group has a score (json_kv at 110 tokens: a budget of 10 prompt tokens) writes its JSON
+    and no plot: the PNG an earlier run left at --png, which would show results the new JSON does not hold, is
+    removed, and the printed line says so."""
+    workdir = _stub_workdir(tmp_path, tokenizer, monkeypatch)
+    png = tmp_path / "res" / "helmet.png"
+    png.parent.mkdir()
+    png.write_bytes(b"\x89PNG\r\n\x1a\n an earlier run's plot")
+    monkeypatch.setattr(helmet, "greedy_decode", lambda *args, **kwargs: pytest.fail("decoded a skipped cell"))
+    argv = ["--workdir", str(workdir), "--data", str(data_dir), "--datasets", "json_kv", "--lengths", "110", "--n", "2",
+            "--out", str(tmp_path / "res" / "helmet.json")]
+    result = helmet.main(argv)
+    assert result["rows"][0]["n"] == 0 and result["groups"][0]["score"] is None
+    assert json.loads((tmp_path / "res" / "helmet.json").read_text())["rows"] == result["rows"]
+    assert not png.exists()
+    assert f"no plot; removed {png}, an earlier run's plot" in capsys.readouterr().out
+    helmet.main(argv)
+    assert capsys.readouterr().out.count("no plot\n") == 1  # nothing left to remove
+
+
+def test_evaluate_logs_each_decoded_batch(data_dir, tokenizer):
+    """json_kv's 6 prompts in batches of 4: two decoder calls of 4 prompts (the second filled with copies of its
+    first prompt, as greedy_decode fills it), a progress line after each, every answer scored in example order."""
+    decode, calls = _stub_decoder(tokenizer, data_dir, ["json_kv"], [4096])
+    logged = []
+    result = helmet.evaluate(None, tokenizer, str(data_dir), datasets=["json_kv"], lengths=[4096], batch_size=4,
+                             decode=decode, log=logged.append)
+    assert result["rows"][0]["score"] == 1.0 and result["rows"][0]["n"] == 6
+    assert [c["n"] for c in calls] == [4, 4]
+    assert [re.sub(r"\(\d+\.\ds\)", "(T)", line) for line in logged[:2]] == [
+        "helmet: json_kv at 4096 tokens: batch 1/2 (T)", "helmet: json_kv at 4096 tokens: batch 2/2 (T)"]
+    assert logged[2].startswith("helmet: json_kv at 4096 tokens (") and len(logged) == 3
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lengths", "0"], "argument --lengths: expected comma-separated distinct integers >= 1, got '0'"),
+    (["--lengths", ","], "argument --lengths: expected comma-separated distinct integers >= 1, got ','"),
+    (["--lengths", "4096,-1"], "argument --lengths: expected comma-separated distinct integers >= 1, got '4096,-1'"),
+    (["--topk", "0"], "argument --topk: expected an integer >= 1, got '0'"),
+    (["--topk", "-1"], "argument --topk: expected an integer >= 1, got '-1'"),
+])
+def test_bad_lengths_and_topk_are_refused_before_the_model_loads(argv, needle, monkeypatch, capsys):
+    monkeypatch.setattr(helmet, "load_for_decoding", lambda *args, **kwargs: pytest.fail("loaded the model"))
+    _usage_error(capsys, ["--workdir", "RUN", "--data", "DATA", *argv], needle)
+
+
+def test_a_topk_the_model_cannot_take_names_the_flag_before_decoding(data_dir, tokenizer, tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.setattr(helmet, "greedy_decode", lambda *args, **kwargs: pytest.fail("decoded"))
+    focus = dict(kind="focus", focus_window=2, focus_groups=4, focus_dim=8, focus_iters=2)
+    argv = ["--data", str(data_dir), "--datasets", "json_kv", "--lengths", "4096", "--n", "2"]
+    workdir = _stub_workdir(tmp_path / "focus", tokenizer, monkeypatch, attn=focus)
+    _usage_error(capsys, ["--workdir", str(workdir), *argv, "--topk", "9"],
+                 "--topk=9 is more than the model's 4 Focus groups (focus_groups)")
+    workdir = _stub_workdir(tmp_path / "dense", tokenizer, monkeypatch)
+    _usage_error(capsys, ["--workdir", str(workdir), *argv, "--topk", "2"], "--topk=2 needs a Focus model")

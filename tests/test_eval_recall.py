@@ -4,8 +4,9 @@
 dense model (KV cache), a soft non-causal Focus model (full forward with padding) and a hard causal Focus model
 (KV cache), with prompts of different lengths in one batch, eos and `stop`; length-matched prompts fit their target
 as stated; the suite's accuracy is `score` of the decoded text (an oracle decoder gives 1.0, a wrong one 0.0);
-`plot_recall` writes a PNG; `with_topk` equals a model built with `focus_topk`; the CLI writes its files; bad input
-raises naming the value.
+`plot_recall` writes a PNG; `with_topk` equals a model built with `focus_topk`; the CLI writes its files, removes an
+earlier run's plot when it writes none, logs each decoded batch, and refuses bad `--lengths` / `--topk` naming the flag
+before the model loads (or, for a `--topk` the model cannot take, before decoding); bad input raises naming the value.
 """
 
 import json
@@ -391,3 +392,100 @@ def test_a_prompt_as_long_as_the_prefill_takes_its_first_token_from_it():
         prompts = [rng.integers(0, VOCAB, n).tolist() for n in lengths]
         expected = [_naive_greedy(model, p, 3) for p in prompts]
         assert greedy_decode(model, prompts, max_new_tokens=3, batch_size=2) == expected, lengths
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line: stale plots, progress, flags refused before the model loads
+
+
+def _stub_workdir(tmp_path, tokenizer, monkeypatch, attn=None):
+    """A run directory with the tokenizer; loading it gives a fresh tiny Llama of attention `attn` (step 7)."""
+    from focal_jax.train import checkpoint, trainer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir(parents=True)
+    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
+    monkeypatch.setattr(trainer, "load_model",
+                        lambda path, step=None, mesh=None: _llama(attn or {}, vocab=tokenizer.vocab_size))
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (7, {"config": {"data": {"seq_len": 64}}}))
+    return workdir
+
+
+def _usage_error(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        recall.main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_rerun_without_a_plot_removes_the_earlier_runs_plot(tokenizer, tmp_path, monkeypatch, capsys):
+    """A rerun whose every cell is skipped writes its JSON and no plot: an earlier run's recall.png, which would show
+    results the new JSON does not hold, is removed, and the printed line says so."""
+    workdir = _stub_workdir(tmp_path, tokenizer, monkeypatch)
+    png = workdir / "recall.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n an earlier run's plot")
+    monkeypatch.setattr(recall, "greedy_decode", lambda *args, **kwargs: pytest.fail("decoded a skipped cell"))
+    rows = recall.main(["--workdir", str(workdir), "--tasks", "needle", "--lengths", "20", "--n", "1"])
+    assert rows[0]["n"] == 0 and json.loads((workdir / "recall.json").read_text())["rows"] == rows
+    assert not png.exists()
+    assert f"no plot; removed {png}, an earlier run's plot" in capsys.readouterr().out
+    recall.main(["--workdir", str(workdir), "--tasks", "needle", "--lengths", "20", "--n", "1"])
+    assert capsys.readouterr().out.count("no plot\n") == 1  # nothing left to remove
+
+
+def test_recall_suite_logs_each_decoded_batch(tokenizer, monkeypatch):
+    """With 5 prompts in batches of 2: three decoder calls of 2 prompts (the last one filled with a copy of its
+    first prompt, as greedy_decode fills it), a progress line after each, and the outputs back in example order
+    (the oracle's answers all score)."""
+    samples = recall.length_matched("needle", tokenizer, 128, 5, seed=4)
+    answers = {s.example.prompt: s.example.answer for s in samples}
+    decode, calls = _oracle(tokenizer, answers)
+    monkeypatch.setattr(recall, "greedy_decode", decode)
+    logged = []
+    rows = recall.recall_suite(_llama({}, vocab=tokenizer.vocab_size), tokenizer, tasks=["needle"], lengths=[128],
+                               n_examples=5, seed=4, batch_size=2, log=logged.append)
+    assert rows[0]["accuracy"] == 1.0 and rows[0]["n"] == 5
+    assert [len(c["prompts"]) for c in calls] == [2, 2, 2] and calls[2]["prompts"][1] == calls[2]["prompts"][0]
+    decoded = [p for c in calls for p in c["prompts"][:2]][:5]
+    assert sorted(decoded) == sorted(s.tokens for s in samples)
+    assert [len(p) for p in decoded] == sorted(len(s.tokens) for s in samples)  # greedy_decode's batches
+    assert [re.sub(r"\(\d+\.\ds\)", "(T)", line) for line in logged[:3]] == [
+        f"recall: needle at 128 tokens: batch {i}/3 (T)" for i in (1, 2, 3)]
+    assert logged[3].startswith("recall: needle at 128 tokens (mean prompt") and len(logged) == 4
+    logged.clear()
+    recall.recall_suite(_llama({}, vocab=tokenizer.vocab_size), tokenizer, tasks=["needle"], lengths=[128],
+                        n_examples=2, seed=4, batch_size=2, log=logged.append)
+    assert len(logged) == 1  # one batch: the cell's line only
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lengths", "0"], "argument --lengths: expected comma-separated distinct integers >= 1, got '0'"),
+    (["--lengths", ","], "argument --lengths: expected comma-separated distinct integers >= 1, got ','"),
+    (["--lengths", "128,-5"], "argument --lengths: expected comma-separated distinct integers >= 1, got '128,-5'"),
+    (["--lengths", "128,128"], "argument --lengths: expected comma-separated distinct integers >= 1, got '128,128'"),
+    (["--lengths", "1e3"], "argument --lengths: expected comma-separated distinct integers >= 1, got '1e3'"),
+    (["--topk", "0"], "argument --topk: expected an integer >= 1, got '0'"),
+    (["--topk", "-2"], "argument --topk: expected an integer >= 1, got '-2'"),
+])
+def test_bad_lengths_and_topk_are_refused_before_the_model_loads(argv, needle, monkeypatch, capsys):
+    monkeypatch.setattr(recall, "load_for_decoding", lambda *args, **kwargs: pytest.fail("loaded the model"))
+    _usage_error(capsys, ["--workdir", "RUN", *argv], needle)
+
+
+def test_a_topk_the_model_cannot_take_names_the_flag_before_decoding(tokenizer, tmp_path, monkeypatch, capsys):
+    """`--topk 9` on a model of 4 Focus groups, and `--topk` on a model without Focus, are usage errors naming
+    `--topk` and the model's groups (not `focus_topk` / `focus_groups` alone), raised before any decoding."""
+    monkeypatch.setattr(recall, "greedy_decode", lambda *args, **kwargs: pytest.fail("decoded"))
+    workdir = _stub_workdir(tmp_path, tokenizer, monkeypatch, attn=FOCUS)
+    argv = ["--workdir", str(workdir), "--tasks", "needle", "--lengths", "128", "--n", "1"]
+    _usage_error(capsys, [*argv, "--topk", "9"], "--topk=9 is more than the model's 4 Focus groups (focus_groups)")
+    _usage_error(capsys, [*argv, "--topk", "5"], "--topk=5 is more than the model's 4 Focus groups")
+    assert recall.topk_error(_llama(FOCUS), 4) == ""
+    monkeypatch.setattr(recall, "greedy_decode", lambda model, prompts, **kwargs: [[tokenizer.eos_id]] * len(prompts))
+    recall.main([*argv, "--topk", "4"])  # as many as the groups: accepted
+    assert json.loads((workdir / "recall.json").read_text())["topk"] == 4
+    monkeypatch.setattr(recall, "greedy_decode", lambda *args, **kwargs: pytest.fail("decoded"))
+    dense = _stub_workdir(tmp_path / "dense", tokenizer, monkeypatch)
+    _usage_error(capsys, ["--workdir", str(dense), "--tasks", "needle", "--lengths", "128", "--topk", "1"],
+                 "--topk=1 needs a Focus model (attention kind in ")
+    assert "this model's attention is ['dense']" in recall.topk_error(_llama({}), 1)

@@ -545,7 +545,8 @@ def test_decomposed_promotes_mixed_dtypes_and_scales_the_float32_logits():
     its rounding moved the output by 7.6e-2); gradients too. (A temperature traced by an outer jit is an array:
     it still scales q.)"""
     q, k, v, mem, kw, block = build_case("k2_T130_K5_block32")
-    decomposed = lambda q, k, v, **extra: focus_sparse_attention(q, k, v, mem, impl="decomposed", block_size=block, **kw, **extra)
+    decomposed = lambda q, k, v, **extra: focus_sparse_attention(q, k, v, mem, impl="decomposed", block_size=block,
+                                                                 **kw, **extra)
     mixed = (q, k.astype(jnp.bfloat16), v)
     want = naive(*(x.astype(jnp.float32) for x in mixed), mem, **kw)
     assert_close(decomposed(*mixed), want, atol=1e-5, what="float32 q, bf16 k")

@@ -100,7 +100,7 @@ import numpy as np
 from focal_jax._validation import check_distinct, check_int, output_file_error
 from focal_jax.eval._cli import MESH_HELP, evaluation_mesh, mesh_shape, on_mesh, positive_int, rope_ntk_factor
 from focal_jax.eval.decode import greedy_decode
-from focal_jax.eval.recall import load_for_decoding, plot_by_length
+from focal_jax.eval.recall import decode_in_batches, length_list, load_for_decoding, plot_by_length, remove_stale_plot
 
 HELMET_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)  # HELMET's 4K ... 128K
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536)  # the Focal paper's "4K to 64K"
@@ -1026,8 +1026,10 @@ def evaluate(model, tokenizer, data_dir: str, *, datasets=DEFAULT_GROUPS, length
       fit: 'drop' or 'truncate' (`build_prompt`).
       batch_size: prompts decoded together.
       decode: `decode(model, prompts, *, max_new_tokens, eos_id, stop, batch_size) -> new token lists`;
-        None: `focal_jax.eval.decode.greedy_decode`.
-      log: called with one progress line per (dataset, length), e.g. `print`; None is silent.
+        None: `focal_jax.eval.decode.greedy_decode`. Called once per batch of `batch_size` prompts, sorted by
+        length (`focal_jax.eval.recall.decode_in_batches`).
+      log: called with one progress line per (dataset, length), e.g. `print`, and one per decoded batch when a cell
+        has several; None is silent.
 
     Returns:
       `{'rows': [...], 'groups': [...]}`. One row per (dataset, length), datasets in order: `{'dataset', 'group',
@@ -1078,8 +1080,9 @@ def evaluate(model, tokenizer, data_dir: str, *, datasets=DEFAULT_GROUPS, length
                 if log is not None:
                     log(f"helmet: {spec.name} at {length} tokens: skipped ({reason})")
                 continue
-            new_tokens = decode(model, [p.tokens for p in prompts], max_new_tokens=spec.generation_length,
-                                eos_id=eos, stop=stop, batch_size=batch_size) if prompts else []
+            new_tokens = decode_in_batches(decode, model, [p.tokens for p in prompts], batch_size=batch_size, log=log,
+                                           label=f"helmet: {spec.name} at {length} tokens",
+                                           max_new_tokens=spec.generation_length, eos_id=eos, stop=stop)
             scored = []
             for ex, prompt, tokens in zip(examples, prompts, new_tokens):
                 output = tokenizer.decode(tokens)
@@ -1147,13 +1150,6 @@ def plot_helmet(result: dict, png: str, *, title: str | None = None) -> str:
     return plot_by_length(series, png, title=title or "HELMET", xlabel="input length (tokens)", ylabel="score")
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def main(argv=None) -> dict:
     """Command line (see the module docstring): evaluates a run directory's model on HELMET data, prints progress
     and a table, writes the results as JSON (`--out`, default WORKDIR/helmet.json) and a plot of score against
@@ -1165,7 +1161,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--datasets", default=",".join(DEFAULT_GROUPS),
                         help=f"comma-separated datasets or groups; datasets: {','.join(DATASETS)}; "
                              f"groups: {','.join(GROUPS)}")
-    parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
+    parser.add_argument("--lengths", type=length_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated input lengths in tokens (prompt + generation)")
     parser.add_argument("--n", type=positive_int, default=None,
                         help="examples per dataset and length (default HELMET's)")
@@ -1173,7 +1169,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--fit", choices=FITS, default="drop",
                         help="drop whole passages / demonstrations (default) or truncate the context (HELMET)")
     parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
+    parser.add_argument("--topk", type=positive_int, default=None,
+                        help="hard top-k routing for a Focus model (1 to its number of groups)")
     parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only; the "
                              "Focal paper's 64K evaluation)")
@@ -1217,6 +1214,8 @@ def main(argv=None) -> dict:
     written = [out]
     if any(g["score"] is not None for g in result["groups"]):
         written.append(plot_helmet(result, png, title=f"HELMET: {label}"))
+    else:
+        print(f"helmet: no group has a score (see the reasons above): no plot{remove_stale_plot(png)}")
     print(f"helmet: wrote {' and '.join(written)}")
     return result
 

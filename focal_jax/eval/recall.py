@@ -21,6 +21,11 @@ Command line (prints progress and a table; writes `recall.json` and `recall.png`
       [--seed 0] [--topk K] [--mesh AXIS=N,...] [--out DIR]
 
 `--topk K` evaluates a Focus model with hard top-K routing (its attention configs' `focus_topk` replaced).
+
+A target below a task's shortest prompts (its knob at the smallest) gives no result for that task. With the tokenizer
+of an `experiments/quickstart.py:runlocal` run (trained at 64 tokens) a task needs at least 27 tokens (frequent_words),
+41 (json_kv), 79 (needle), 87 (associative_recall) or 149 (needle_multikey): there `--lengths 64` scores json_kv and
+frequent_words only, `--lengths 160,256` every task.
 """
 
 import argparse
@@ -170,7 +175,8 @@ def recall_suite(model, tokenizer, *, tasks=tuple(TASKS), lengths=DEFAULT_LENGTH
       n_examples: examples per task and length.
       seed: the examples depend on it (and on task, length, index) only.
       batch_size: prompts decoded together.
-      log: called with one progress line per (task, length), e.g. `print`; None is silent.
+      log: called with one progress line per (task, length), e.g. `print`, and one per decoded batch when a
+        cell has several (`decode_in_batches`); None is silent.
 
     Returns:
       one row per (task, length), in that order: `{'task', 'length' (the target), 'prompt_tokens' (mean actual
@@ -212,27 +218,53 @@ def recall_suite(model, tokenizer, *, tasks=tuple(TASKS), lengths=DEFAULT_LENGTH
                              f"n_positions={n_positions}; use a shorter length")
     rows = []
     for task, length in [(task, length) for task in tasks for length in lengths]:
+        cell = f"recall: {task} at {length} tokens"
         if (task, length) in skipped:
             rows.append({"task": task, "length": int(length), "prompt_tokens": None, "accuracy": None, "n": 0,
                          "skipped": skipped[task, length]})
             if log is not None:
-                log(f"recall: {task} at {length} tokens: skipped ({skipped[task, length]})")
+                log(f"{cell}: skipped ({skipped[task, length]})")
             continue
         samples = cells[task, length]
         start = time.perf_counter()
         examples = [s.example for s in samples]
         max_new = answer_tokens[task, length]
-        new_tokens = greedy_decode(model, [s.tokens for s in samples], max_new_tokens=max_new, eos_id=eos,
-                                   batch_size=batch_size)
+        new_tokens = decode_in_batches(greedy_decode, model, [s.tokens for s in samples], batch_size=batch_size,
+                                       log=log, label=cell, max_new_tokens=max_new, eos_id=eos)
         predictions = [tokenizer.decode(tokens) for tokens in new_tokens]
         row = {"task": task, "length": int(length),
                "prompt_tokens": float(np.mean([len(s.tokens) for s in samples])),
                "accuracy": score(predictions, examples), "n": len(examples)}
         rows.append(row)
         if log is not None:
-            log(f"recall: {task} at {length} tokens (mean prompt {row['prompt_tokens']:.0f}): accuracy "
+            log(f"{cell} (mean prompt {row['prompt_tokens']:.0f}): accuracy "
                 f"{row['accuracy']:.3f} of {row['n']} ({time.perf_counter() - start:.1f}s)")
     return rows
+
+
+def decode_in_batches(decode: Callable, model, prompts: list[list[int]], *, batch_size: int,
+                      log: Callable[[str], None] | None = None, label: str = "decoding", **kwargs) -> list[list[int]]:
+    """`decode(model, prompts, batch_size=batch_size, **kwargs)` (`greedy_decode`'s signature) called once per batch,
+    so that progress can be shown: `log(f"{label}: batch i/n (seconds so far)")` after each batch when there are
+    several. The batches are those `greedy_decode` makes of the whole list: prompts sorted by length, a short last
+    batch filled with copies of its first prompt (every batch keeps one compiled shape; the copies' outputs are
+    dropped). Returns the new tokens of each prompt, in the order of `prompts`."""
+    if not prompts:
+        return []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rows = min(batch_size, len(prompts))
+    n_batches = -(-len(prompts) // rows)
+    outputs = [None] * len(prompts)
+    start = time.perf_counter()
+    for b in range(n_batches):
+        batch = order[b * rows:(b + 1) * rows]
+        batch_prompts = [prompts[i] for i in batch]
+        new = decode(model, batch_prompts + [batch_prompts[0]] * (rows - len(batch)), batch_size=batch_size, **kwargs)
+        for i, tokens in zip(batch, new):
+            outputs[i] = tokens
+        if log is not None and n_batches > 1:
+            log(f"{label}: batch {b + 1}/{n_batches} ({time.perf_counter() - start:.1f}s)")
+    return outputs
 
 
 def format_table(rows: list[dict]) -> str:
@@ -284,6 +316,28 @@ def plot_by_length(series: dict[str, list[tuple[int, float]]], png: str, *, titl
     return png
 
 
+def remove_stale_plot(png: str) -> str:
+    """Deletes `png`, a plot an earlier run left where this run writes results but no plot (it would show results the
+    new JSON does not hold); returns a note saying so for the printed line, '' when there was none."""
+    if not os.path.isfile(png):
+        return ""
+    os.remove(png)
+    return f"; removed {png}, an earlier run's plot"
+
+
+def topk_error(model, topk: int) -> str:
+    """The command line's message for a `--topk` that `model` (a `Llama` / `GPT2`) cannot take: no Focus layers, or
+    more groups than a layer has; '' when it fits (`with_topk` then applies it)."""
+    configs = [attn.config for attn in attention_layers(model)]
+    kinds = sorted({c.kind for c in configs})
+    if any(kind not in FOCUS_KINDS for kind in kinds):
+        return f"--topk={topk} needs a Focus model (attention kind in {FOCUS_KINDS}); this model's attention is {kinds}"
+    groups = min(c.focus_groups for c in configs)
+    if topk > groups:
+        return f"--topk={topk} is more than the model's {groups} Focus groups (focus_groups)"
+    return ""
+
+
 def with_topk(model, topk: int):
     """`model` (a Focus `Llama` / `GPT2`) switched in place to hard top-`topk` routing, every other setting and
     parameter kept (`focal_jax.nn.retrofit.replace_attention(model, focus_topk=topk)`). Raises ValueError naming
@@ -310,12 +364,14 @@ def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str |
                       lengths=(), mesh=None):
     """`(model, tokenizer, step)` of a focal_jax run directory for the decoding evaluations (recall, HELMET): the
     model of checkpoint `step` (default the latest), the tokenizer file `tokenizer` (default the run's own copy),
-    switched to hard top-`topk` routing (`with_topk`) and to dynamic NTK RoPE past the trained length
+    switched to hard top-`topk` routing (`with_topk`; a `topk` the model cannot take is refused naming
+    `--topk`, `topk_error`) and to dynamic NTK RoPE past the trained length
     (`with_rope_ntk`) when asked. A note is printed when `lengths` (the input lengths to evaluate) go past the
     trained length of a model with RoPE and no `rope_ntk_factor`. `mesh`: place the parameters on it
     (`focal_jax.train.trainer.load_model`; decode under `jax.set_mesh(mesh)`). Raises FileNotFoundError /
     ValueError naming what is missing or wrong."""
     from focal_jax.data.tokenizer import load_tokenizer, workdir_tokenizer  # the training stack: command lines only
+    from focal_jax.eval.diagnostics import untrained_positions_note
     from focal_jax.train.checkpoint import read_meta
     from focal_jax.train.trainer import load_model
 
@@ -324,23 +380,28 @@ def load_for_decoding(workdir: str, *, step: int | None = None, tokenizer: str |
     step, meta = read_meta(workdir, step)
     print(f"{name}: loaded {workdir} (step {step})", flush=True)
     if topk is not None:
+        if problem := topk_error(model, topk):
+            raise ValueError(problem)
         model = with_topk(model, topk)
     trained_len = meta["config"]["data"]["seq_len"]
     if rope_ntk_factor is not None:
         model = with_rope_ntk(model, rope_ntk_factor, trained_len=trained_len)
-    past = sorted(length for length in lengths if length > trained_len)
-    if past and rope_ntk_factor is None and all(a.config.rope_theta is not None for a in attention_layers(model)):
-        print(f"{name}: note: lengths {past} go past the {trained_len} tokens the model was trained on; its rotary "
-              f"positions there were never trained (--rope-ntk-factor scales them, as the Focal paper's 64K "
-              f"evaluation)", flush=True)
+    if note := untrained_positions_note(model, lengths, trained_len, rope_ntk_factor):
+        print(f"{name}: {note}", flush=True)
     return model, tokenizer, step
 
 
-def _int_list(text: str) -> list[int]:
+def length_list(text: str) -> list[int]:
+    """argparse type of `--lengths` (recall, HELMET): comma-separated distinct integers >= 1, at least one; anything
+    else is a usage error naming the value, before the model loads."""
+    expected = f"expected comma-separated distinct integers >= 1, got {text!r}"
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        lengths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(expected) from None
+    if not lengths or min(lengths) < 1 or len(set(lengths)) < len(lengths):
+        raise argparse.ArgumentTypeError(expected)
+    return lengths
 
 
 def main(argv=None) -> list[dict]:
@@ -349,12 +410,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--workdir", required=True, help="focal_jax run directory (checkpoint, tokenizer)")
     parser.add_argument("--step", type=int, default=None, help="a saved checkpoint step (default: the latest)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {','.join(TASKS)}")
-    parser.add_argument("--lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
+    parser.add_argument("--lengths", type=length_list, default=list(DEFAULT_LENGTHS),
                         help="comma-separated target prompt lengths in tokens")
     parser.add_argument("--n", type=positive_int, default=20, help="examples per task and length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--topk", type=int, default=None, help="hard top-k routing for a Focus model")
+    parser.add_argument("--topk", type=positive_int, default=None,
+                        help="hard top-k routing for a Focus model (1 to its number of groups)")
     parser.add_argument("--rope-ntk-factor", type=rope_ntk_factor, default=None,
                         help="dynamic NTK scaling (>= 1) of RoPE past the trained length (models with RoPE only)")
     parser.add_argument("--tokenizer", default=None,
@@ -387,11 +449,11 @@ def main(argv=None) -> list[dict]:
     with open(os.path.join(out, "recall.json"), "w") as f:
         json.dump(record, f, indent=2)
     label = f"{os.path.basename(workdir)} (step {step}{f', top-{args.topk}' if args.topk else ''})"
-    written = [os.path.join(out, "recall.json")]
+    written, png = [os.path.join(out, "recall.json")], os.path.join(out, "recall.png")
     if any(r["accuracy"] is not None for r in rows):
-        written.append(plot_recall(rows, os.path.join(out, "recall.png"), title=f"recall: {label}"))
+        written.append(plot_recall(rows, png, title=f"recall: {label}"))
     else:
-        print("recall: every cell was skipped (see the reasons above): no plot")
+        print(f"recall: every cell was skipped (see the reasons above): no plot{remove_stale_plot(png)}")
     print(f"recall: wrote {' and '.join(written)}")
     return rows
 
