@@ -1,4 +1,5 @@
-"""Shared test helpers: random attention inputs, a max-abs-error comparison, an experiment file's config."""
+"""Shared test helpers: random attention inputs, a max-abs-error comparison, an experiment file's config, stubbed
+run directories and usage errors of the command lines."""
 
 import importlib.util
 import os
@@ -71,3 +72,28 @@ def hf_focus_retrofit_config(run: str, hf_directory: str, *, window: int):
     config.retrofit.focus = {"groups": 2, "dim": 8, "window": window}
     config.optim.trainable = "centroids"
     return config
+
+
+def usage_error(capsys, main, argv, needle: str):
+    """`main(argv)` (a command line) exits as argparse does on a usage error (code 2), its message holding
+    `needle`."""
+    import pytest
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def stub_run_workdir(tmp_path, tokenizer, monkeypatch, make_model, *, step: int):
+    """A run directory holding `tokenizer`'s file whose loading gives `make_model()` at checkpoint `step` of a run
+    trained at 64 tokens (`load_model` and `read_meta` monkeypatched): no training."""
+    from focal_jax.train import checkpoint, trainer
+
+    workdir = tmp_path / "run"
+    workdir.mkdir(parents=True)
+    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
+    monkeypatch.setattr(trainer, "load_model", lambda path, step=None, mesh=None: make_model())
+    stored = (step, {"config": {"data": {"seq_len": 64}}})
+    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: stored)
+    return workdir

@@ -734,7 +734,8 @@ def test_the_seed_sets_the_order_of_the_training_rows(cache_dir):
 
 
 def test_a_corpus_of_exactly_one_global_batch_of_rows_trains(cache_dir):
-    """The corpus must pack into at least `global_batch` rows: exactly that many is enough, one fewer is refused."""
+    """The corpus must pack into at least `global_batch` rows: exactly that many is enough, one fewer is refused
+    (unless the data is built for an evaluation)."""
     tiny = synthetic_config(cache_dir, n_synthetic=3, eval_fraction=0.0)
     n_rows = build_data(tiny, global_batch=1, seed=0, process_index=0, process_count=1).n_train_rows
     assert n_rows > 1
@@ -742,6 +743,9 @@ def test_a_corpus_of_exactly_one_global_batch_of_rows_trains(cache_dir):
     assert next(train_iterator(data))["inputs"].shape == (n_rows, SEQ)
     check_raises(lambda: build_data(tiny, global_batch=n_rows + 1, seed=0, process_index=0, process_count=1),
                  f"{n_rows} rows", f"global_batch={n_rows + 1}")
+    # an evaluation reads the held-out rows only (`training=False`)
+    assert build_data(tiny, global_batch=n_rows + 1, seed=0, process_index=0, process_count=1,
+                      training=False).n_train_rows == n_rows
 
 
 def test_an_eval_file_that_is_a_training_file_through_a_symlink_is_refused(tmp_path):

@@ -10,6 +10,7 @@ from flax import nnx
 from focal_jax.eval import diagnostics, harness, helmet, perplexity, recall
 from focal_jax.eval.diagnostics import Run
 from focal_jax.nn.llama import Llama, LlamaConfig
+from helpers import usage_error
 
 FOCUS = dict(kind="focus", focus_groups=4, focus_dim=8, focus_window=2, focus_iters=2)
 
@@ -24,22 +25,15 @@ def _stub_run(monkeypatch, module, attn):
     monkeypatch.setattr(module, "load_run", lambda workdir, **kwargs: run)
 
 
-def _usage_error(capsys, main, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    assert needle in capsys.readouterr().err
-
-
 def test_diagnostics_bad_topk_and_top_are_usage_errors(monkeypatch, capsys):
     _stub_run(monkeypatch, diagnostics, FOCUS)
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "5"], "focus_topk=5")
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "0"],
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "5"], "focus_topk=5")
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--topk", "0"],
                  "argument --topk: expected an integer >= 1, got '0'")
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--top", "0"],
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--top", "0"],
                  "--top: expected an integer >= 1, got '0'")
     _stub_run(monkeypatch, diagnostics, {"kind": "dense"})
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy", "--png", "x.png"], "nothing to plot")
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy", "--png", "x.png"], "nothing to plot")
 
 
 def test_perplexity_topk_and_window_errors_name_the_flag(monkeypatch, capsys):
@@ -47,22 +41,22 @@ def test_perplexity_topk_and_window_errors_name_the_flag(monkeypatch, capsys):
     found only after the run loaded."""
     _no_loading(monkeypatch)
     for value in ("0", "1,-1", "x", ","):
-        _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", value],
+        usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", value],
                      f"argument --topk: expected 'all' or comma-separated integers >= 1, got '{value}'")
     _stub_run(monkeypatch, perplexity, {"kind": "dense"})
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "all"],
+    usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "all"],
                  "--topk=all needs a Focus model (kind 'focus' or 'focal+focus'); this model's attention kind is "
                  "['dense']: leave --topk out")
     _stub_run(monkeypatch, perplexity, FOCUS)
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "2,5"],
+    usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--topk", "2,5"],
                  "--topk=2,5: top-k must be an integer with 1 <= k <= K=4 (the model's focus_groups), got k=5")
-    _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--window", "8"], "--window=8: window=8 is for")
+    usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--window", "8"], "--window=8: window=8 is for")
 
 
-def test_perplexity_bad_rope_ntk_factor_is_a_usage_error(monkeypatch, capsys):
+def test_perplexity_bad_rope_ntk_factor_is_ausage_error(monkeypatch, capsys):
     _stub_run(monkeypatch, perplexity, {"kind": "dense"})
     for value in "0", "-1":
-        _usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", value],
+        usage_error(capsys, perplexity.main, ["--workdir", "RUN", "--rope-ntk-factor", value],
                      f"must be a finite number >= 1, got '{value}'")
 
 
@@ -77,7 +71,7 @@ def test_counts_below_one_are_usage_errors_naming_the_flag(monkeypatch, capsys, 
     """`perplexity --batches 0` said 'n_batches must be an integer >= 1, got n_batches=0', the name of a function
     argument, after the run had loaded."""
     _no_loading(monkeypatch)
-    _usage_error(capsys, module.main, ["--workdir", "RUN", flag, value],
+    usage_error(capsys, module.main, ["--workdir", "RUN", flag, value],
                  f"argument {flag}: expected an integer >= 1, got '{value}'")
 
 
@@ -99,18 +93,18 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_run_loads(tmp_pat
     a_file = tmp_path / "file.json"
     a_file.write_text("{}")
     for main in perplexity.main, diagnostics.main:
-        _usage_error(capsys, main, ["--workdir", "RUN", "--out", str(tmp_path)],
+        usage_error(capsys, main, ["--workdir", "RUN", "--out", str(tmp_path)],
                      f"--out={tmp_path} is a directory; expected the path of a file")
-        _usage_error(capsys, main, ["--workdir", "RUN", "--out", str(a_file / "x.json")], f"{a_file} is a file")
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--png", str(tmp_path)],
+        usage_error(capsys, main, ["--workdir", "RUN", "--out", str(a_file / "x.json")], f"{a_file} is a file")
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--png", str(tmp_path)],
                  f"--png={tmp_path} is a directory")
-    _usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file)],
+    usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file)],
                  f"--out={a_file} is a file; expected a directory")
-    _usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file / "sub")], f"{a_file} is a file")
+    usage_error(capsys, recall.main, ["--workdir", "RUN", "--out", str(a_file / "sub")], f"{a_file} is a file")
     for flag in "--out", "--png":
-        _usage_error(capsys, helmet.main, ["--workdir", "RUN", "--data", "DATA", flag, str(tmp_path)],
+        usage_error(capsys, helmet.main, ["--workdir", "RUN", "--data", "DATA", flag, str(tmp_path)],
                      f"{flag}={tmp_path} is a directory")
-    _usage_error(capsys, helmet.main, ["--workdir", str(a_file), "--data", "DATA"],  # the default: WORKDIR/helmet.json
+    usage_error(capsys, helmet.main, ["--workdir", str(a_file), "--data", "DATA"],  # the default: WORKDIR/helmet.json
                  f"{a_file} is a file")
 
 
@@ -130,20 +124,20 @@ def test_outputs_that_can_be_written_are_accepted(tmp_path):
     assert output_dir_error("--out", str(tmp_path)) == output_dir_error("--out", str(tmp_path / "a" / "b")) == ""
 
 
-def test_diagnostics_without_entropy_of_a_model_without_focus_is_a_usage_error(monkeypatch, capsys):
+def test_diagnostics_without_entropy_of_a_model_without_focus_is_ausage_error(monkeypatch, capsys):
     """It used to print nothing and exit 0 (the routing tables are all it prints without the entropy)."""
     _stub_run(monkeypatch, diagnostics, {"kind": "focal", "focal_t": 0.5})
     monkeypatch.setattr(diagnostics, "diagnose", lambda *args, **kwargs: pytest.fail("evaluated"))
-    _usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy"],
+    usage_error(capsys, diagnostics.main, ["--workdir", "RUN", "--no-entropy"],
                  "--no-entropy leaves nothing to report for a model without Focus layers (attention kind ['focal'])")
 
 
-def test_rope_ntk_factor_below_one_is_a_usage_error(monkeypatch, capsys):
+def test_rope_ntk_factor_below_one_is_ausage_error(monkeypatch, capsys):
     """Dynamic NTK scaling needs a factor >= 1 (as Hugging Face's 'dynamic' rope type); 0.5 used to be accepted."""
     _no_loading(monkeypatch)
     for main, required in (perplexity.main, []), (recall.main, []), (helmet.main, ["--data", "DATA"]):
         for value in "0.5", "nan", "inf":
-            _usage_error(capsys, main, ["--workdir", "RUN", *required, "--rope-ntk-factor", value],
+            usage_error(capsys, main, ["--workdir", "RUN", *required, "--rope-ntk-factor", value],
                          f"argument --rope-ntk-factor: the dynamic NTK scaling factor must be a finite number >= 1, "
                          f"got '{value}'")
     for value in 0.5, float("nan"), float("inf"):  # the library's own check (the Python API, a training config)
@@ -191,9 +185,9 @@ def test_a_mesh_that_cannot_be_made_is_refused_before_the_run_loads(monkeypatch,
                 ("tensor=3", "--mesh: mesh {'data': 1, 'fsdp': 1, 'tensor': 3} has 3 devices, but there are 8"),
                 ("fsdp=-1,tensor=-1", "--mesh: mesh sizes must be >= 1, with at most one -1"),
                 ("tensor=0", "--mesh: mesh sizes must be >= 1")):
-            _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", value], needle)
+            usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", value], needle)
     for main, required in commands[2:]:  # the decoding commands: their batch size is known before anything loads
         flag = "--batch_size" if main is harness.main else "--batch-size"
-        _usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", "data=2,fsdp=2,tensor=2", flag, "6"],
+        usage_error(capsys, main, ["--workdir", "RUN", *required, "--mesh", "data=2,fsdp=2,tensor=2", flag, "6"],
                      f"{flag}=6 must be a multiple of 4, the data x fsdp size of --mesh {{'data': 2, 'fsdp': 2, "
                      f"'tensor': 2}}, which split each batch's rows")

@@ -21,6 +21,7 @@ from focal_jax.data import train_tokenizer
 from focal_jax.eval import helmet
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
+from helpers import stub_run_workdir, usage_error
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -673,23 +674,13 @@ def test_a_length_equal_to_the_generation_length_is_refused_before_decoding(data
 
 def _stub_workdir(tmp_path, tokenizer, monkeypatch, attn=None):
     """A run directory with the tokenizer; loading it gives a tiny Llama of attention `attn` (step 3)."""
-    from focal_jax.train import checkpoint, trainer
-
-    workdir = tmp_path / "run"
-    workdir.mkdir(parents=True)
-    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                          intermediate=32, rope_theta=500.0, attn=attn or {})
-    monkeypatch.setattr(trainer, "load_model", lambda path, step=None, mesh=None: Llama(config, rngs=nnx.Rngs(0)))
-    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (3, {"config": {"data": {"seq_len": 64}}}))
-    return workdir
+    return stub_run_workdir(tmp_path, tokenizer, monkeypatch, lambda: Llama(config, rngs=nnx.Rngs(0)), step=3)
 
 
 def _usage_error(capsys, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        helmet.main(argv)
-    assert info.value.code == 2
-    assert needle in capsys.readouterr().err
+    usage_error(capsys, helmet.main, argv, needle)
 
 
 def test_a_rerun_without_a_plot_removes_the_earlier_runs_plot(data_dir, tokenizer, tmp_path, monkeypatch, capsys):

@@ -343,6 +343,8 @@ def test_command_line_step_and_window(tmp_path, capsys):
                                          f"documents pack into {rows} rows of 32 tokens; give a batch size of at "
                                          f"most {rows}"):
         load_run(workdir, n_batches=1, batch_size=rows + 1)
+    with pytest.raises(ValueError, match=f"batch_size={10**6} is more than the held-out rows"):  # (than the training
+        load_run(workdir, n_batches=1, batch_size=10**6)  # rows too, which an evaluation does not need to fill)
     capsys.readouterr()
     main(["--workdir", workdir, "--batches", "1000"])
     assert f"{-(-rows // 8)} batches of (8, 32) tokens (trained at 32); the held-out rows fill {-(-rows // 8)} of " \

@@ -23,6 +23,7 @@ from focal_jax.eval import recall
 from focal_jax.eval.decode import can_cache, greedy_decode
 from focal_jax.nn.gpt2 import GPT2, GPT2Config
 from focal_jax.nn.llama import Llama, LlamaConfig
+from helpers import stub_run_workdir, usage_error
 
 pytestmark = pytest.mark.usefixtures("fast_compiles")
 
@@ -400,22 +401,12 @@ def test_a_prompt_as_long_as_the_prefill_takes_its_first_token_from_it():
 
 def _stub_workdir(tmp_path, tokenizer, monkeypatch, attn=None):
     """A run directory with the tokenizer; loading it gives a fresh tiny Llama of attention `attn` (step 7)."""
-    from focal_jax.train import checkpoint, trainer
-
-    workdir = tmp_path / "run"
-    workdir.mkdir(parents=True)
-    (workdir / "tokenizer.model").write_bytes(open(tokenizer.path, "rb").read())
-    monkeypatch.setattr(trainer, "load_model",
-                        lambda path, step=None, mesh=None: _llama(attn or {}, vocab=tokenizer.vocab_size))
-    monkeypatch.setattr(checkpoint, "read_meta", lambda path, step=None: (7, {"config": {"data": {"seq_len": 64}}}))
-    return workdir
+    return stub_run_workdir(tmp_path, tokenizer, monkeypatch,
+                            lambda: _llama(attn or {}, vocab=tokenizer.vocab_size), step=7)
 
 
 def _usage_error(capsys, argv, needle):
-    with pytest.raises(SystemExit) as info:
-        recall.main(argv)
-    assert info.value.code == 2
-    assert needle in capsys.readouterr().err
+    usage_error(capsys, recall.main, argv, needle)
 
 
 def test_a_rerun_without_a_plot_removes_the_earlier_runs_plot(tokenizer, tmp_path, monkeypatch, capsys):

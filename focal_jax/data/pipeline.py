@@ -111,7 +111,7 @@ class Data:
 
 
 def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str | None = None,
-               process_index: int | None = None, process_count: int | None = None) -> Data:
+               process_index: int | None = None, process_count: int | None = None, training: bool = True) -> Data:
     """Builds the tokenizer, the training dataset and the evaluation rows of `config` -> Data.
 
     Args:
@@ -124,6 +124,8 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
       process_index, process_count: this process and the number of processes (default: `jax.process_index()`
         and `jax.process_count()`). Every process reads all documents and keeps its share of each batch; when
         streaming, each process reads its own share of the files (or documents) instead.
+      training: True (default): the training rows must fill one global batch (ValueError naming both). False (an
+        evaluation, which reads the held-out rows only): they need not.
     """
     if process_index is None or process_count is None:
         import jax
@@ -143,6 +145,10 @@ def build_data(config: DataConfig, *, global_batch: int, seed: int, workdir: str
     tokenizer = _tokenizer(config, train_docs, workdir)
     train_rows = packed_rows(encode_documents(tokenizer, train_docs), config)
     n_train_rows = len(train_rows["inputs"])
+    if training and n_train_rows < global_batch:
+        raise ValueError(f"the training corpus packs into {n_train_rows} rows of seq_len={config.seq_len} tokens, "
+                         f"fewer than one global batch (global_batch={global_batch}): add documents or lower "
+                         f"global_batch / seq_len")
     eval_rows = (packed_rows(encode_documents(tokenizer, eval_docs), config) if eval_docs
                  else {k: np.zeros((0, config.seq_len), np.float32 if k == "loss_mask" else np.int32)
                        for k in PACKED_KEYS})

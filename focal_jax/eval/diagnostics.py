@@ -125,7 +125,8 @@ def load_run(workdir: str, *, n_batches: int, seq_len: int | None = None, batch_
         data_config = dataclasses.replace(data_config, tokenizer=tokenizer_file(workdir))
     except FileNotFoundError:
         pass
-    data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1)
+    data = build_data(data_config, global_batch=batch_size, seed=run.seed, process_index=0, process_count=1,
+                      training=False)
     if given_batch_size and (held_out := data.held_out_rows(batch_size)) < batch_size:
         raise ValueError(f"batch_size={batch_size} is more than the held-out rows: the held-out documents pack into "
                          f"{held_out} rows of {seq_len} tokens; give a batch size of at most {held_out}")

@@ -720,10 +720,6 @@ def _train(run: RunConfig, config_data: dict, resume_step: int | None, stored: d
         raise ConfigError(f"data.{e}") from None
     except ValueError as e:
         raise ConfigError(f"data: {e}") from None
-    if data.n_train_rows is not None and data.n_train_rows < run.batch_size:
-        raise ConfigError(f"data: the training corpus packs into {data.n_train_rows} rows of seq_len="
-                          f"{run.data.seq_len} tokens, fewer than one batch (batch_size={run.batch_size}): add "
-                          f"documents or lower batch_size / data.seq_len")
     if len(eval_batches) < run.eval_batches:
         log(f"note: eval_batches={run.eval_batches}, but the held-out rows fill {len(eval_batches)} batches of "
             f"{run.batch_size}: each evaluation reads those")
