@@ -504,6 +504,31 @@ def test_kmeans_finds_separated_clusters(spherical):
         kmeans(points[:3], 4, key=jax.random.key(1))
 
 
+@pytest.mark.parametrize("spherical", [True, False])
+def test_kmeans_plus_plus_draws_each_seed_by_its_squared_distance(spherical, monkeypatch):
+    """The second seed is drawn with probability proportional to the squared distance to the first: `(1 - cos)^2`
+    between unit rows (spherical), `|x - c|^2` otherwise (numpy here)."""
+    from focal_jax.nn.retrofit import kmeans
+
+    drawn = []
+    choice = jax.random.choice
+
+    def spy(key, n, p=None, **kwargs):
+        drawn.append(np.asarray(p))
+        return choice(key, n, p=p, **kwargs)
+
+    monkeypatch.setattr(jax.random, "choice", spy)
+    points = np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32)
+    first = np.asarray(kmeans(points, 2, key=jax.random.key(3), iters=0, spherical=spherical))[0]
+    if spherical:
+        units = points / np.linalg.norm(points, axis=-1, keepdims=True)
+        weights = (1.0 - units @ first) ** 2
+    else:
+        weights = np.sum((points - first) ** 2, axis=-1)
+    [p] = drawn
+    np.testing.assert_allclose(p, weights / weights.sum(), rtol=1e-4, atol=1e-7)
+
+
 def test_kmeans_with_fewer_distinct_points_than_centroids_keeps_unit_centroids_on_the_points():
     """3 distinct unit rows, 5 copies each, and 4 centroids: one cluster is left empty, and its centroid keeps
     its seed (one of the points) rather than becoming the empty cluster's zero mean."""
